@@ -1,0 +1,16 @@
+# Sourced by the other scripts: where visiongate keeps what it builds and installs,
+# outside the clone so every checkout (and CI) reuses it.
+VG_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VG_HOME=${VISIONGATE_HOME:-$HOME/.cache/visiongate}
+VG_VENV=${VISIONGATE_VENV:-$VG_HOME/venv}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$VG_HOME/target}
+VG_PY=$VG_VENV/bin/python
+VG_BIN=$CARGO_TARGET_DIR/release/visiongate
+# libtorch from the venv's torch wheel. Exported as an absolute path (instead of the
+# clone-relative `.libtorch` of .cargo/config.toml) so torch-sys is built once per machine,
+# not once per checkout.
+if [[ -x $VG_PY ]]; then
+  VG_SITE=$("$VG_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  export LIBTORCH=$VG_SITE/torch
+fi
+export VISIONGATE_PYTHON=$VG_PY VISIONGATE_BIN=$VG_BIN

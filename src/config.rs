@@ -1,0 +1,144 @@
+//! Command-line flags (each also an environment variable) and their validation.
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "visiongate",
+    version,
+    about = "Image classification gateway: /predict, Triton model repositories, libtorch"
+)]
+pub struct Config {
+    /// Model repository in Triton layout (<model>/config.pbtxt, <model>/<version>/...).
+    #[arg(long, env = "VISIONGATE_MODEL_REPOSITORY", default_value = "models")]
+    pub model_repository: PathBuf,
+
+    /// Address to listen on. 0.0.0.0 serves every interface; 127.0.0.1 only this host.
+    #[arg(long, env = "VISIONGATE_HOST", default_value = "0.0.0.0")]
+    pub host: IpAddr,
+
+    /// HTTP port (/predict, /v2 health). Triton's default is 8000; 0 picks a free port.
+    #[arg(long, env = "VISIONGATE_HTTP_PORT", default_value_t = 8000)]
+    pub http_port: u16,
+
+    /// HTTP worker threads (async I/O only; decoding and inference have their own
+    /// threads). 0: one per CPU core.
+    #[arg(long, env = "VISIONGATE_HTTP_WORKERS", default_value_t = 0)]
+    pub http_workers: usize,
+
+    /// Most files in one /predict request (FastAPI's default is 1000). The first extra
+    /// part is answered with 413.
+    #[arg(long, env = "VISIONGATE_MAX_FILES", default_value_t = 1000)]
+    pub max_files: usize,
+
+    /// Largest single file in bytes. A larger file gets a `file_too_large` entry; the
+    /// other files of the request still run.
+    #[arg(long, env = "VISIONGATE_MAX_FILE_BYTES", default_value_t = 64 << 20)]
+    pub max_file_bytes: u64,
+
+    /// Largest request body in bytes (413 above it). Files are decoded while the body
+    /// streams in, so memory holds only the parts waiting for a decode thread, not this.
+    #[arg(long, env = "VISIONGATE_MAX_BODY_BYTES", default_value_t = 4 << 30)]
+    pub max_body_bytes: u64,
+
+    /// Largest image in pixels (width × height, read from the header before any pixel
+    /// buffer exists). Guards memory against decompression bombs.
+    #[arg(
+        long,
+        env = "VISIONGATE_MAX_IMAGE_PIXELS",
+        default_value_t = 100_000_000
+    )]
+    pub max_image_pixels: u64,
+
+    /// Threads that decode and resize images. 0: half the CPU cores (at least one), so
+    /// decoding does not starve the CPU model instances it feeds.
+    #[arg(long, env = "VISIONGATE_DECODE_THREADS", default_value_t = 0)]
+    pub decode_threads: usize,
+
+    /// libtorch intra-op threads per CPU instance. 1 is best when there are as many
+    /// instances as cores: more threads per instance spin-wait against each other.
+    #[arg(long, env = "VISIONGATE_INTRA_OP_THREADS", default_value_t = 1)]
+    pub intra_op_threads: usize,
+
+    /// Requests that may wait in a model's queue when its config.pbtxt sets no
+    /// `default_queue_policy.max_queue_size`. One more is refused at once with 503.
+    #[arg(long, env = "VISIONGATE_MAX_QUEUE_SIZE", default_value_t = 256)]
+    pub max_queue_size: usize,
+
+    /// Overrides the preprocessor's `dct_scaling_min_side` parameter: JPEGs decode at
+    /// 1/2, 1/4 or 1/8 scale while their short side stays at or above it (0: full size).
+    /// Lower is faster on large photos; higher is closer to a full-size decode.
+    #[arg(long, env = "VISIONGATE_DCT_SCALING_MIN_SIDE")]
+    pub dct_scaling_min_side: Option<u32>,
+
+    /// Batch sizes each instance runs once before the model reports ready (TorchScript
+    /// optimizes on its first calls). Comma-separated; 0 entries are ignored.
+    #[arg(
+        long,
+        env = "VISIONGATE_WARMUP_BATCH_SIZES",
+        value_delimiter = ',',
+        default_value = "1,1,8"
+    )]
+    pub warmup_batch_sizes: Vec<usize>,
+}
+
+/// Validated settings, passed down as one struct.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub config: Config,
+    pub decode_threads: usize,
+    pub http_workers: usize,
+    pub warmup_batch_sizes: Vec<usize>,
+    /// How long a stopping server lets in-flight requests finish.
+    pub shutdown_grace: Duration,
+}
+
+impl Config {
+    pub fn validate(self) -> Result<Settings, String> {
+        if !self.model_repository.is_dir() {
+            return Err(format!(
+                "--model-repository {} is not a directory",
+                self.model_repository.display()
+            ));
+        }
+        if self.max_files == 0 || self.intra_op_threads == 0 || self.max_queue_size == 0 {
+            return Err(
+                "--max-files, --intra-op-threads and --max-queue-size must be at least 1".into(),
+            );
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Ok(Settings {
+            decode_threads: if self.decode_threads == 0 {
+                (cores / 2).max(1)
+            } else {
+                self.decode_threads
+            },
+            http_workers: if self.http_workers == 0 {
+                cores
+            } else {
+                self.http_workers
+            },
+            warmup_batch_sizes: self
+                .warmup_batch_sizes
+                .iter()
+                .copied()
+                .filter(|&n| n > 0)
+                .collect(),
+            shutdown_grace: Duration::from_secs(30),
+            config: self,
+        })
+    }
+
+    /// Defaults for tests: the bundled repository, loopback, a free port.
+    pub fn for_tests() -> Config {
+        let mut c = Config::parse_from(["visiongate"]);
+        c.model_repository = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models");
+        c.host = IpAddr::from([127, 0, 0, 1]);
+        c.http_port = 0;
+        c.http_workers = 2;
+        c
+    }
+}

@@ -1,0 +1,62 @@
+//! Types shared by every module, parsed once at the boundary.
+use std::fmt;
+
+/// A model's name as it appears in the repository (its directory name).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ModelName(String);
+
+impl ModelName {
+    pub fn new(name: impl Into<String>) -> Self {
+        Self(name.into())
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ModelName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A model version: a numeric directory of the model's repository entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ModelVersion(pub u64);
+
+impl fmt::Display for ModelVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Where one model instance runs: `gpu` is the CUDA ordinal, `None` for the CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct InstanceId {
+    pub gpu: Option<u32>,
+    pub index: u32,
+}
+
+impl fmt::Display for InstanceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.gpu {
+            Some(g) => write!(f, "gpu{g}/{}", self.index),
+            None => write!(f, "cpu/{}", self.index),
+        }
+    }
+}
+
+/// Per-channel normalization applied on the device: `(pixel / 255 - mean) / std`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Normalize {
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+}
+
+/// One class of a classification result.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClassScore {
+    pub class_id: u32,
+    /// Softmax probability.
+    pub score: f32,
+}

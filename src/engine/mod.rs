@@ -1,0 +1,91 @@
+//! Model execution behind a small synchronous trait, so the scheduler can be tested with
+//! a fake. An engine is owned by one instance thread and never sees tasks or channels.
+
+mod fake;
+mod torch;
+
+pub use fake::FakeEngine;
+pub use torch::{cuda_device_count, TorchEngine};
+
+use crate::domain::{ClassScore, Normalize};
+
+/// The rows of one batch, contiguous.
+#[derive(Debug, Clone, Copy)]
+pub enum BatchInput<'a> {
+    /// u8 NHWC RGB images; normalized to f32 NCHW on the engine's device.
+    Images {
+        data: &'a [u8],
+        height: usize,
+        width: usize,
+        normalize: Normalize,
+    },
+    /// f32 NCHW tensors, already preprocessed.
+    Tensors {
+        data: &'a [f32],
+        height: usize,
+        width: usize,
+    },
+}
+
+impl BatchInput<'_> {
+    pub fn rows(&self) -> usize {
+        match *self {
+            BatchInput::Images {
+                data,
+                height,
+                width,
+                ..
+            } => data.len() / (height * width * 3),
+            BatchInput::Tensors {
+                data,
+                height,
+                width,
+            } => data.len() / (height * width * 3),
+        }
+    }
+}
+
+/// What the callers of a batch want back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OutputRequest {
+    /// Softmax top-k per row (0: none).
+    pub top_k: usize,
+    /// The raw output row (logits) per row.
+    pub logits: bool,
+}
+
+impl OutputRequest {
+    pub fn merge(self, other: OutputRequest) -> OutputRequest {
+        OutputRequest {
+            top_k: self.top_k.max(other.top_k),
+            logits: self.logits || other.logits,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineOutput {
+    /// Per row, best first, `top_k` long (or the number of classes if fewer).
+    pub top_k: Vec<Vec<ClassScore>>,
+    /// Row-major `[rows, classes]` when requested.
+    pub logits: Option<Vec<f32>>,
+    pub num_classes: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("cannot load {path}: {message}")]
+    Load { path: String, message: String },
+    #[error("model execution failed: {0}")]
+    Execution(String),
+}
+
+pub trait Engine: Send {
+    fn run(
+        &mut self,
+        input: BatchInput<'_>,
+        want: OutputRequest,
+    ) -> Result<EngineOutput, EngineError>;
+    /// Where it runs, for logs ("cpu", "cuda:0").
+    fn device_name(&self) -> String;
+}

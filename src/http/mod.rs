@@ -1,0 +1,39 @@
+//! HTTP (actix-web): routes, extractor error bodies, the upload page.
+mod health;
+mod predict;
+
+use actix_web::{web, HttpResponse};
+
+use crate::error::{ErrorKind, GatewayError};
+use crate::state::AppState;
+
+pub use predict::{FileError, FileResult, PredictResponse, Prediction, Timing, TopK};
+
+/// Routes and extractor configs, shared by `main` and the tests.
+pub fn configure(cfg: &mut web::ServiceConfig, state: web::Data<AppState>) {
+    cfg.app_data(state)
+        .app_data(web::QueryConfig::default().error_handler(|err, _req| {
+            GatewayError::new(ErrorKind::InvalidInput, format!("bad query string: {err}")).into()
+        }))
+        .app_data(web::PathConfig::default().error_handler(|err, _req| {
+            GatewayError::new(ErrorKind::InvalidInput, format!("bad path: {err}")).into()
+        }))
+        .route("/predict", web::post().to(predict::predict))
+        .route("/v2/health/live", web::get().to(health::live))
+        .route("/v2/health/ready", web::get().to(health::ready))
+        .route("/", web::get().to(index))
+        .default_service(web::to(not_found));
+}
+
+async fn index() -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type("text/html; charset=utf-8")
+        .body(include_str!("../../static/index.html"))
+}
+
+async fn not_found(req: actix_web::HttpRequest) -> Result<HttpResponse, GatewayError> {
+    Err(GatewayError::new(
+        ErrorKind::NotFound,
+        format!("no route for {} {}", req.method(), req.path()),
+    ))
+}

@@ -1,0 +1,292 @@
+//! `POST /predict`: multipart upload of many images, classified in upload order.
+//!
+//! Parts are read as a stream; each file goes to the decode pool as soon as its part is
+//! complete, so decoding overlaps the rest of the upload. A file that cannot be used gets
+//! an error entry and never changes the other files' results.
+use std::time::Instant;
+
+use actix_multipart::Multipart;
+use actix_web::http::header;
+use actix_web::{web, HttpRequest, HttpResponse};
+use bytes::BytesMut;
+use futures_util::StreamExt;
+use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
+
+use crate::engine::OutputRequest;
+use crate::error::{ErrorKind, GatewayError};
+use crate::preprocess::{PreprocessError, Row};
+use crate::scheduler::InferJob;
+use crate::state::{AppState, ImagePipeline};
+
+const DEFAULT_MODEL: &str = "ensemble_model";
+const DEFAULT_TOP_K: usize = 5;
+/// Multipart field names accepted for files (`files` as FastAPI's `List[UploadFile]`).
+const FILE_FIELDS: [&str; 2] = ["files", "file"];
+
+#[derive(Debug, Deserialize)]
+pub struct PredictQuery {
+    /// How many classes to return per image (default 5).
+    pub top_k: Option<usize>,
+    /// Which image model (default `ensemble_model`).
+    pub model: Option<String>,
+}
+
+#[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
+pub struct TopK {
+    pub label: Option<String>,
+    pub class_id: u32,
+    pub score: f32,
+}
+
+#[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
+pub struct Prediction {
+    pub filename: String,
+    pub label: Option<String>,
+    pub class_id: u32,
+    /// Softmax probability of the top class.
+    pub score: f32,
+    pub top_k: Vec<TopK>,
+}
+
+#[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
+pub struct FileError {
+    pub code: String,
+    pub message: String,
+}
+
+#[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
+#[serde(untagged)]
+pub enum FileResult {
+    Ok(Prediction),
+    Err { filename: String, error: FileError },
+}
+
+#[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
+pub struct Timing {
+    pub total_images: usize,
+    pub total_sec: f64,
+    pub average_latency_per_image_ms: f64,
+}
+
+#[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
+pub struct PredictResponse {
+    pub model: String,
+    pub model_version: String,
+    pub results: Vec<FileResult>,
+    pub timing: Timing,
+}
+
+enum Upload {
+    Decoding(oneshot::Receiver<Result<Row, PreprocessError>>),
+    Failed(PreprocessError),
+}
+
+struct UploadedFile {
+    filename: String,
+    upload: Upload,
+}
+
+fn invalid(message: impl Into<String>) -> GatewayError {
+    GatewayError::new(ErrorKind::InvalidInput, message)
+}
+
+fn too_large(message: impl Into<String>) -> GatewayError {
+    GatewayError::new(ErrorKind::PayloadTooLarge, message)
+}
+
+fn multipart_error(e: actix_multipart::MultipartError) -> GatewayError {
+    invalid(format!("malformed multipart body: {e}"))
+}
+
+pub async fn predict(
+    req: HttpRequest,
+    payload: web::Payload,
+    query: web::Query<PredictQuery>,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, GatewayError> {
+    let started = Instant::now();
+    let is_multipart = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.trim_start()
+                .to_ascii_lowercase()
+                .starts_with("multipart/form-data")
+        });
+    if !is_multipart {
+        return Err(GatewayError::new(
+            ErrorKind::UnsupportedMediaType,
+            "send the images as multipart/form-data, one part named 'files' per image",
+        ));
+    }
+    let model_name = query.model.as_deref().unwrap_or(DEFAULT_MODEL);
+    let pipeline = state.image_pipeline(model_name)?.clone();
+    let top_k = query.top_k.unwrap_or(DEFAULT_TOP_K);
+    if top_k == 0 || top_k > pipeline.num_classes {
+        return Err(invalid(format!(
+            "top_k must be between 1 and {} (the model's classes), got {top_k}",
+            pipeline.num_classes
+        )));
+    }
+
+    let files = read_upload(&req, payload, &state, &pipeline).await?;
+    if files.is_empty() {
+        return Err(invalid(
+            "no files: send one or more multipart parts named 'files' (or 'file')",
+        ));
+    }
+
+    // Wait for every decode, keeping upload order.
+    let mut rows = Vec::new();
+    let mut outcomes: Vec<(String, Result<usize, PreprocessError>)> =
+        Vec::with_capacity(files.len());
+    for file in files {
+        let outcome = match file.upload {
+            Upload::Failed(e) => Err(e),
+            Upload::Decoding(rx) => match rx.await {
+                Ok(Ok(row)) => {
+                    rows.push(row);
+                    Ok(rows.len() - 1)
+                }
+                Ok(Err(e)) => Err(e),
+                Err(_) => {
+                    return Err(GatewayError::new(
+                        ErrorKind::NotReady,
+                        "the decode pool is shutting down",
+                    ))
+                }
+            },
+        };
+        outcomes.push((file.filename, outcome));
+    }
+
+    let outputs = pipeline
+        .classifier
+        .infer(InferJob {
+            rows,
+            normalize: pipeline.normalize,
+            want: OutputRequest {
+                top_k,
+                logits: false,
+            },
+        })
+        .await?;
+
+    let label = |class: u32| {
+        pipeline
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(class as usize).cloned())
+    };
+    let results: Vec<FileResult> = outcomes
+        .into_iter()
+        .map(|(filename, outcome)| match outcome {
+            Ok(i) => {
+                let top: Vec<TopK> = outputs[i]
+                    .top_k
+                    .iter()
+                    .map(|c| TopK {
+                        label: label(c.class_id),
+                        class_id: c.class_id,
+                        score: c.score,
+                    })
+                    .collect();
+                let best = top[0].clone();
+                FileResult::Ok(Prediction {
+                    filename,
+                    label: best.label,
+                    class_id: best.class_id,
+                    score: best.score,
+                    top_k: top,
+                })
+            }
+            Err(e) => FileResult::Err {
+                filename,
+                error: FileError {
+                    code: e.code().to_string(),
+                    message: e.to_string(),
+                },
+            },
+        })
+        .collect();
+
+    let total_sec = started.elapsed().as_secs_f64();
+    let total_images = results.len();
+    Ok(HttpResponse::Ok().json(PredictResponse {
+        model: pipeline.name.to_string(),
+        model_version: pipeline.version.to_string(),
+        results,
+        timing: Timing {
+            total_images,
+            total_sec,
+            average_latency_per_image_ms: total_sec * 1000.0 / total_images as f64,
+        },
+    }))
+}
+
+/// Streams the multipart body; every complete file part is queued for decoding at once.
+async fn read_upload(
+    req: &HttpRequest,
+    payload: web::Payload,
+    state: &AppState,
+    pipeline: &ImagePipeline,
+) -> Result<Vec<UploadedFile>, GatewayError> {
+    let limits = &state.limits;
+    let mut multipart = Multipart::new(req.headers(), payload);
+    let mut files: Vec<UploadedFile> = Vec::new();
+    let mut body_bytes: u64 = 0;
+    while let Some(field) = multipart.next().await {
+        let mut field = field.map_err(multipart_error)?;
+        let is_file = field.name().is_some_and(|n| FILE_FIELDS.contains(&n));
+        if is_file && files.len() == limits.max_files {
+            return Err(too_large(format!(
+                "too many files: at most {} per request",
+                limits.max_files
+            )));
+        }
+        let filename = field
+            .content_disposition()
+            .and_then(|cd| cd.get_filename())
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("file{}", files.len()));
+        let mut data = BytesMut::new();
+        let mut size: u64 = 0;
+        while let Some(chunk) = field.next().await {
+            let chunk = chunk.map_err(multipart_error)?;
+            body_bytes += chunk.len() as u64;
+            if body_bytes > limits.max_body_bytes {
+                return Err(too_large(format!(
+                    "request body is larger than {} bytes",
+                    limits.max_body_bytes
+                )));
+            }
+            size += chunk.len() as u64;
+            // Past the per-file limit keep reading (to reach the next part) but drop it.
+            if is_file && size <= limits.max_file_bytes {
+                data.extend_from_slice(&chunk);
+            }
+        }
+        if !is_file {
+            continue; // other form fields are ignored, as FastAPI does
+        }
+        let upload = if size > limits.max_file_bytes {
+            Upload::Failed(PreprocessError::FileTooLarge {
+                size,
+                limit: limits.max_file_bytes,
+            })
+        } else if data.is_empty() {
+            Upload::Failed(PreprocessError::Empty)
+        } else {
+            Upload::Decoding(
+                state
+                    .pool
+                    .submit(data.freeze(), pipeline.preprocess.clone())
+                    .await,
+            )
+        };
+        files.push(UploadedFile { filename, upload });
+    }
+    Ok(files)
+}

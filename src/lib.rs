@@ -1,0 +1,176 @@
+//! visiongate: one process for image classification — multipart `/predict`, Triton model
+//! repositories, libtorch instances with dynamic batching.
+
+pub mod config;
+pub mod domain;
+pub mod engine;
+pub mod error;
+pub mod http;
+pub mod preprocess;
+pub mod repository;
+pub mod scheduler;
+pub mod shutdown;
+pub mod state;
+pub mod telemetry;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::{web, App, HttpServer};
+use anyhow::Context;
+
+use config::Settings;
+use engine::{Engine, FakeEngine, TorchEngine};
+use scheduler::{EngineFactory, ModelState};
+use state::{AppState, BuildOptions, ServedModel, UploadLimits};
+
+/// Which engine runs the classifiers.
+#[derive(Clone)]
+pub enum EngineChoice {
+    /// libtorch, loading each model's TorchScript file.
+    Torch,
+    /// The deterministic fake (tests): `num_classes` classes, `latency` per batch.
+    Fake {
+        num_classes: usize,
+        latency: Duration,
+    },
+}
+
+/// A running gateway: its bound address and the handles to stop it.
+pub struct Gateway {
+    pub http_addr: SocketAddr,
+    pub state: web::Data<AppState>,
+    server: actix_web::dev::ServerHandle,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Gateway {
+    /// Loads the repository, starts the models and binds HTTP. Returns once bound; the
+    /// models finish loading in the background (see [`Gateway::wait_ready`]).
+    pub async fn start(settings: Settings, engine: EngineChoice) -> anyhow::Result<Gateway> {
+        let cfg = &settings.config;
+        let scan = repository::scan(&cfg.model_repository)
+            .with_context(|| format!("reading {}", cfg.model_repository.display()))?;
+        let intra = cfg.intra_op_threads;
+        let (factory, gpu_count): (EngineFactory, usize) = match engine {
+            EngineChoice::Torch => {
+                let gpus = engine::cuda_device_count();
+                let files: Arc<std::collections::HashMap<String, std::path::PathBuf>> = Arc::new(
+                    scan.models
+                        .iter()
+                        .filter_map(|m| match &m.kind {
+                            repository::ModelKind::Classifier(c) => {
+                                Some((m.name.to_string(), c.model_file.clone()))
+                            }
+                            _ => None,
+                        })
+                        .collect(),
+                );
+                let factory: EngineFactory = Arc::new(move |id| {
+                    let model = std::thread::current()
+                        .name()
+                        .and_then(|n| n.split('/').next().map(str::to_string))
+                        .unwrap_or_default();
+                    let path = files.get(&model).cloned().unwrap_or_default();
+                    if id.gpu.is_none() {
+                        // Per thread: libtorch's intra-op pool size is a thread-local setting.
+                        tch::set_num_threads(intra as i32);
+                    }
+                    Ok(Box::new(TorchEngine::load(&path, id.gpu)?) as Box<dyn Engine>)
+                });
+                (factory, gpus)
+            }
+            EngineChoice::Fake {
+                num_classes,
+                latency,
+            } => {
+                let factory: EngineFactory = Arc::new(move |_| {
+                    Ok(Box::new(FakeEngine {
+                        num_classes,
+                        latency,
+                        fail_on_first_byte: None,
+                    }) as Box<dyn Engine>)
+                });
+                (factory, 0)
+            }
+        };
+        let state = web::Data::new(AppState::build(
+            scan,
+            BuildOptions {
+                factory,
+                gpu_count,
+                default_queue_size: cfg.max_queue_size,
+                warmup_batch_sizes: settings.warmup_batch_sizes.clone(),
+                max_image_pixels: cfg.max_image_pixels,
+                dct_override: cfg.dct_scaling_min_side,
+                decode_threads: settings.decode_threads,
+                limits: UploadLimits {
+                    max_files: cfg.max_files,
+                    max_file_bytes: cfg.max_file_bytes,
+                    max_body_bytes: cfg.max_body_bytes,
+                },
+            },
+        ));
+
+        let app_state = state.clone();
+        let server = HttpServer::new(move || {
+            App::new().configure(|c| http::configure(c, app_state.clone()))
+        })
+        .workers(settings.http_workers)
+        .disable_signals()
+        .shutdown_timeout(settings.shutdown_grace.as_secs())
+        .bind((cfg.host, cfg.http_port))
+        .with_context(|| format!("binding HTTP on {}:{}", cfg.host, cfg.http_port))?;
+        let http_addr = *server
+            .addrs()
+            .first()
+            .context("HTTP server has no address")?;
+        let server = server.run();
+        let handle = server.handle();
+        let task = tokio::spawn(server);
+        tracing::info!(%http_addr, "HTTP listening");
+        Ok(Gateway {
+            http_addr,
+            state,
+            server: handle,
+            task,
+        })
+    }
+
+    /// Waits until every model has loaded (or failed); returns the failures.
+    pub async fn wait_ready(&self) -> Vec<String> {
+        let mut failures = Vec::new();
+        for (name, model) in &self.state.models {
+            let handle = match model {
+                ServedModel::Classifier { handle, .. } => handle,
+                ServedModel::Ensemble { pipeline, .. } => &pipeline.classifier,
+                ServedModel::Preprocessor { .. } => continue,
+            };
+            if let ModelState::Failed(e) = handle.wait_loaded().await {
+                failures.push(format!("{name}: {e}"));
+            }
+        }
+        failures
+    }
+
+    /// Stops accepting, lets in-flight requests finish, then returns.
+    pub async fn stop(self) {
+        self.server.stop(true).await;
+        let _ = self.task.await;
+    }
+}
+
+/// Runs until `shutdown` is cancelled.
+pub async fn run(
+    settings: Settings,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
+    let gateway = Gateway::start(settings, EngineChoice::Torch).await?;
+    for failure in gateway.wait_ready().await {
+        tracing::error!("{failure}");
+    }
+    shutdown.cancelled().await;
+    gateway.stop().await;
+    Ok(())
+}

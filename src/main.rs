@@ -1,0 +1,10 @@
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let config = visiongate::config::Config::parse();
+    visiongate::telemetry::init();
+    let settings = config.validate().map_err(anyhow::Error::msg)?;
+    let shutdown = visiongate::shutdown::on_signals();
+    visiongate::run(settings, shutdown).await
+}

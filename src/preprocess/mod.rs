@@ -1,0 +1,415 @@
+//! Image bytes → one u8 HWC RGB row of the model's input size. Pure: no tch, no actix.
+//!
+//! JPEG goes through libjpeg-turbo with DCT-domain scaling; PNG, WebP, BMP and GIF (first
+//! frame) through the `image` crate. EXIF orientation is applied, grey/CMYK become RGB,
+//! alpha is dropped. Dimensions are read from the header and checked against the pixel
+//! limit before any pixel buffer is allocated. Normalization to f32 happens on the device.
+
+mod exif;
+mod pool;
+
+use std::io::Cursor;
+
+use fast_image_resize::{
+    self as fr, images::Image as FrImage, PixelType, ResizeAlg, ResizeOptions,
+};
+use image::ImageFormat;
+use turbojpeg::{Colorspace, Decompressor, PixelFormat, ScalingFactor};
+
+pub use pool::{PreprocessPool, Row};
+
+/// What the preprocessor produces and what it accepts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreprocessSettings {
+    pub width: u32,
+    pub height: u32,
+    /// JPEG: largest DCT down-scaling (1/2, 1/4, 1/8) that keeps the short side at or
+    /// above this; 0 disables it.
+    pub dct_scaling_min_side: u32,
+    /// Largest accepted image, in pixels (width × height from the header).
+    pub max_pixels: u64,
+}
+
+impl PreprocessSettings {
+    pub fn row_len(&self) -> usize {
+        self.width as usize * self.height as usize * 3
+    }
+}
+
+/// Why one file could not be used. Each maps to a per-file error code in `/predict`.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PreprocessError {
+    #[error("the file is empty")]
+    Empty,
+    #[error("not a supported image: {0}")]
+    Unsupported(String),
+    #[error("cannot decode the image: {0}")]
+    Invalid(String),
+    #[error("image is {width}x{height} = {pixels} pixels, above the limit of {limit}")]
+    TooLarge {
+        width: u64,
+        height: u64,
+        pixels: u64,
+        limit: u64,
+    },
+    #[error("the file is {size} bytes, above the limit of {limit}")]
+    FileTooLarge { size: u64, limit: u64 },
+}
+
+impl PreprocessError {
+    /// The per-file error code of `/predict`.
+    pub fn code(&self) -> &'static str {
+        match self {
+            PreprocessError::Empty => "empty_file",
+            PreprocessError::Unsupported(_) => "unsupported_format",
+            PreprocessError::Invalid(_) => "invalid_image",
+            PreprocessError::TooLarge { .. } => "image_too_large",
+            PreprocessError::FileTooLarge { .. } => "file_too_large",
+        }
+    }
+}
+
+/// Decodes `bytes` and writes the resized RGB image into `out` (`row_len()` bytes, HWC).
+pub fn decode_into(
+    bytes: &[u8],
+    settings: &PreprocessSettings,
+    out: &mut [u8],
+) -> Result<(), PreprocessError> {
+    assert_eq!(
+        out.len(),
+        settings.row_len(),
+        "output row has the model's size"
+    );
+    if bytes.is_empty() {
+        return Err(PreprocessError::Empty);
+    }
+    let format = image::guess_format(bytes).map_err(|_| {
+        PreprocessError::Invalid("the content is not a recognised image format".into())
+    })?;
+    let decoded = match format {
+        ImageFormat::Jpeg => decode_jpeg(bytes, settings)?,
+        ImageFormat::Png | ImageFormat::WebP | ImageFormat::Bmp | ImageFormat::Gif => {
+            decode_with_image(bytes, format, settings)?
+        }
+        other => {
+            return Err(PreprocessError::Unsupported(format!(
+                "{other:?} images are not accepted; send JPEG, PNG, WebP, BMP or GIF"
+            )))
+        }
+    };
+    let orientation = exif::orientation(bytes);
+    resize_oriented(decoded, orientation, settings, out)
+}
+
+/// A decoded RGB8 image, tightly packed.
+struct Rgb {
+    width: u32,
+    height: u32,
+    pixels: Vec<u8>,
+}
+
+fn check_pixels(
+    width: u64,
+    height: u64,
+    settings: &PreprocessSettings,
+) -> Result<(), PreprocessError> {
+    let pixels = width * height;
+    if width == 0 || height == 0 {
+        return Err(PreprocessError::Invalid("the image has no pixels".into()));
+    }
+    if pixels > settings.max_pixels {
+        return Err(PreprocessError::TooLarge {
+            width,
+            height,
+            pixels,
+            limit: settings.max_pixels,
+        });
+    }
+    Ok(())
+}
+
+/// The DCT scaling factor for a `width`x`height` JPEG: the smallest scale whose short side
+/// stays at or above `min_side`.
+pub fn dct_scale(width: usize, height: usize, min_side: u32) -> ScalingFactor {
+    if min_side == 0 {
+        return ScalingFactor::ONE;
+    }
+    for f in [
+        ScalingFactor::ONE_EIGHTH,
+        ScalingFactor::ONE_QUARTER,
+        ScalingFactor::ONE_HALF,
+    ] {
+        if f.scale(width).min(f.scale(height)) >= min_side as usize {
+            return f;
+        }
+    }
+    ScalingFactor::ONE
+}
+
+fn decode_jpeg(bytes: &[u8], settings: &PreprocessSettings) -> Result<Rgb, PreprocessError> {
+    let invalid = |e: turbojpeg::Error| PreprocessError::Invalid(format!("JPEG: {e}"));
+    let mut d = Decompressor::new().map_err(invalid)?;
+    let header = d.read_header(bytes).map_err(invalid)?;
+    check_pixels(header.width as u64, header.height as u64, settings)?;
+    let scale = dct_scale(header.width, header.height, settings.dct_scaling_min_side);
+    d.set_scaling_factor(scale).map_err(invalid)?;
+    let scaled = header.scaled(scale);
+    let (w, h) = (scaled.width, scaled.height);
+    let cmyk = matches!(header.colorspace, Colorspace::CMYK | Colorspace::YCCK);
+    let (format, channels) = if cmyk {
+        (PixelFormat::CMYK, 4)
+    } else {
+        (PixelFormat::RGB, 3)
+    };
+    let mut pixels = vec![0u8; w * h * channels];
+    d.decompress(
+        bytes,
+        turbojpeg::Image {
+            pixels: pixels.as_mut_slice(),
+            width: w,
+            pitch: w * channels,
+            height: h,
+            format,
+        },
+    )
+    .map_err(invalid)?;
+    if cmyk {
+        pixels = cmyk_to_rgb(&pixels);
+    }
+    Ok(Rgb {
+        width: w as u32,
+        height: h as u32,
+        pixels,
+    })
+}
+
+/// CMYK JPEGs (Adobe, as Photoshop and Pillow write them) store inverted ink values, so
+/// R = C·K/255 on the decoded samples. No colour management, like Pillow's `convert("RGB")`.
+fn cmyk_to_rgb(cmyk: &[u8]) -> Vec<u8> {
+    let mut rgb = Vec::with_capacity(cmyk.len() / 4 * 3);
+    for px in cmyk.chunks_exact(4) {
+        let k = px[3] as u32;
+        for &c in &px[..3] {
+            rgb.push(((c as u32 * k + 127) / 255) as u8);
+        }
+    }
+    rgb
+}
+
+fn decode_with_image(
+    bytes: &[u8],
+    format: ImageFormat,
+    settings: &PreprocessSettings,
+) -> Result<Rgb, PreprocessError> {
+    let invalid = |e: image::ImageError| PreprocessError::Invalid(format!("{format:?}: {e}"));
+    let reader = || image::ImageReader::with_format(Cursor::new(bytes), format);
+    let (w, h) = reader().into_dimensions().map_err(invalid)?;
+    check_pixels(w as u64, h as u64, settings)?;
+    let mut r = reader();
+    let mut limits = image::Limits::default();
+    // Header already checked; this also bounds what a lying header could make it allocate.
+    limits.max_alloc = Some(settings.max_pixels.saturating_mul(8).max(64 << 20));
+    r.limits(limits);
+    let img = r.decode().map_err(invalid)?;
+    let rgb = img.into_rgb8();
+    Ok(Rgb {
+        width: rgb.width(),
+        height: rgb.height(),
+        pixels: rgb.into_raw(),
+    })
+}
+
+/// Resizes (antialiased bilinear, as Pillow/torchvision) and applies the EXIF orientation.
+/// Orientation is applied after resizing, on the small image: with a stretch resize the two
+/// orders give the same pixels, and this one moves 50-1000x fewer of them.
+fn resize_oriented(
+    src: Rgb,
+    orientation: u16,
+    settings: &PreprocessSettings,
+    out: &mut [u8],
+) -> Result<(), PreprocessError> {
+    let swaps_axes = matches!(orientation, 5..=8);
+    let (tw, th) = if swaps_axes {
+        (settings.height, settings.width)
+    } else {
+        (settings.width, settings.height)
+    };
+    let src_img = FrImage::from_vec_u8(src.width, src.height, src.pixels, PixelType::U8x3)
+        .map_err(|e| PreprocessError::Invalid(format!("decoded buffer: {e}")))?;
+    let options = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(fr::FilterType::Bilinear));
+    let mut resizer = fr::Resizer::new();
+    if orientation <= 1 || orientation > 8 {
+        let mut dst = FrImage::from_slice_u8(tw, th, out, PixelType::U8x3)
+            .map_err(|e| PreprocessError::Invalid(format!("output buffer: {e}")))?;
+        return resizer
+            .resize(&src_img, &mut dst, &options)
+            .map_err(|e| PreprocessError::Invalid(format!("resize: {e}")));
+    }
+    let mut tmp = FrImage::new(tw, th, PixelType::U8x3);
+    resizer
+        .resize(&src_img, &mut tmp, &options)
+        .map_err(|e| PreprocessError::Invalid(format!("resize: {e}")))?;
+    exif::apply_orientation(tmp.buffer(), tw as usize, th as usize, orientation, out);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> PreprocessSettings {
+        PreprocessSettings {
+            width: 224,
+            height: 224,
+            dct_scaling_min_side: 224,
+            max_pixels: 100_000_000,
+        }
+    }
+
+    fn encode(img: image::DynamicImage, format: ImageFormat) -> Vec<u8> {
+        let mut buf = Cursor::new(Vec::new());
+        img.write_to(&mut buf, format).unwrap();
+        buf.into_inner()
+    }
+
+    fn pixel(out: &[u8], x: usize, y: usize) -> [u8; 3] {
+        let i = (y * 224 + x) * 3;
+        [out[i], out[i + 1], out[i + 2]]
+    }
+
+    /// Left half red, right half blue, so orientation and channel order are visible.
+    fn halves(w: u32, h: u32) -> image::RgbImage {
+        image::RgbImage::from_fn(w, h, |x, _| {
+            if x < w / 2 {
+                image::Rgb([255, 0, 0])
+            } else {
+                image::Rgb([0, 0, 255])
+            }
+        })
+    }
+
+    #[test]
+    fn dct_scale_keeps_the_short_side_above_the_threshold() {
+        assert_eq!(dct_scale(4000, 3000, 224), ScalingFactor::ONE_EIGHTH); // 375
+        assert_eq!(dct_scale(4000, 3000, 448), ScalingFactor::ONE_QUARTER); // 750
+        assert_eq!(dct_scale(1920, 1200, 224), ScalingFactor::ONE_QUARTER); // 300
+        assert_eq!(dct_scale(500, 375, 224), ScalingFactor::ONE); // 1/2 would be 188
+        assert_eq!(dct_scale(4000, 3000, 0), ScalingFactor::ONE);
+    }
+
+    #[test]
+    fn every_accepted_format_decodes_to_the_same_colours() {
+        let img = image::DynamicImage::ImageRgb8(halves(300, 200));
+        for format in [
+            ImageFormat::Png,
+            ImageFormat::Bmp,
+            ImageFormat::Gif,
+            ImageFormat::WebP,
+            ImageFormat::Jpeg,
+        ] {
+            let bytes = encode(img.clone(), format);
+            let mut out = vec![0; settings().row_len()];
+            decode_into(&bytes, &settings(), &mut out)
+                .unwrap_or_else(|e| panic!("{format:?}: {e}"));
+            let left = pixel(&out, 20, 100);
+            let right = pixel(&out, 200, 100);
+            assert!(left[0] > 200 && left[2] < 50, "{format:?} left {left:?}");
+            assert!(
+                right[2] > 200 && right[0] < 50,
+                "{format:?} right {right:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn grey_and_alpha_images_become_rgb() {
+        let grey = image::DynamicImage::ImageLuma8(image::GrayImage::from_pixel(
+            50,
+            40,
+            image::Luma([77]),
+        ));
+        let rgba = image::DynamicImage::ImageRgba8(image::RgbaImage::from_pixel(
+            50,
+            40,
+            image::Rgba([10, 200, 30, 0]),
+        ));
+        for (img, want) in [(grey.clone(), [77, 77, 77]), (rgba, [10, 200, 30])] {
+            let mut out = vec![0; settings().row_len()];
+            decode_into(&encode(img, ImageFormat::Png), &settings(), &mut out).unwrap();
+            assert_eq!(pixel(&out, 100, 100), want);
+        }
+        let mut out = vec![0; settings().row_len()];
+        decode_into(&encode(grey, ImageFormat::Jpeg), &settings(), &mut out).unwrap();
+        let p = pixel(&out, 100, 100);
+        assert!(p.iter().all(|&c| (c as i32 - 77).abs() <= 2), "{p:?}");
+    }
+
+    #[test]
+    fn cmyk_jpeg_becomes_rgb() {
+        // Written by Pillow: Image.new("CMYK", (64, 48), (0, 255, 255, 0)) is pure red.
+        let bytes = include_bytes!("../../tests/fixtures/generated/red_cmyk.jpg");
+        let mut out = vec![0; settings().row_len()];
+        decode_into(bytes, &settings(), &mut out).unwrap();
+        let p = pixel(&out, 112, 112);
+        assert!(p[0] > 230 && p[1] < 30 && p[2] < 30, "{p:?}");
+    }
+
+    #[test]
+    fn bad_files_get_their_own_error_codes() {
+        let mut out = vec![0; settings().row_len()];
+        let mut run = |b: &[u8]| decode_into(b, &settings(), &mut out).unwrap_err().code();
+        assert_eq!(run(b""), "empty_file");
+        assert_eq!(run(b"hello, this is text"), "invalid_image");
+        let jpeg = encode(
+            image::DynamicImage::ImageRgb8(halves(300, 200)),
+            ImageFormat::Jpeg,
+        );
+        assert_eq!(run(&jpeg[..jpeg.len() / 2]), "invalid_image");
+        assert_eq!(run(b"II*\0\x08\0\0\0rest of a tiff"), "unsupported_format");
+    }
+
+    #[test]
+    fn pixel_limit_is_checked_from_the_header() {
+        let small = PreprocessSettings {
+            max_pixels: 1000,
+            ..settings()
+        };
+        let png = encode(
+            image::DynamicImage::ImageRgb8(halves(100, 100)),
+            ImageFormat::Png,
+        );
+        let mut out = vec![0; small.row_len()];
+        let err = decode_into(&png, &small, &mut out).unwrap_err();
+        assert_eq!(err.code(), "image_too_large");
+        // A header claiming 60000x60000 with no data behind it is refused before decoding.
+        let mut jpeg = encode(
+            image::DynamicImage::ImageRgb8(halves(16, 16)),
+            ImageFormat::Jpeg,
+        );
+        let sof = jpeg.windows(2).position(|w| w == [0xFF, 0xC0]).unwrap();
+        jpeg[sof + 5..sof + 9].copy_from_slice(&[0xEA, 0x60, 0xEA, 0x60]);
+        let err = decode_into(&jpeg, &settings(), &mut out_for(&settings())).unwrap_err();
+        assert_eq!(err.code(), "image_too_large", "{err}");
+    }
+
+    fn out_for(s: &PreprocessSettings) -> Vec<u8> {
+        vec![0; s.row_len()]
+    }
+
+    #[test]
+    fn exif_orientation_is_applied() {
+        // Red left / blue right, stored with orientation 6 ("rotate 90° clockwise to view"):
+        // viewed, red is on top.
+        let jpeg = encode(
+            image::DynamicImage::ImageRgb8(halves(320, 240)),
+            ImageFormat::Jpeg,
+        );
+        let with_exif = exif::tests::with_orientation(&jpeg, 6);
+        let mut out = out_for(&settings());
+        decode_into(&with_exif, &settings(), &mut out).unwrap();
+        let top = pixel(&out, 112, 20);
+        let bottom = pixel(&out, 112, 200);
+        assert!(top[0] > 200 && top[2] < 50, "top {top:?}");
+        assert!(bottom[2] > 200 && bottom[0] < 50, "bottom {bottom:?}");
+    }
+}

@@ -1,0 +1,132 @@
+//! The model repository on disk, read as Triton reads it: one directory per model with a
+//! `config.pbtxt` (protobuf text format of `inference.ModelConfig`), numeric version
+//! directories and label files. Parsing and file I/O only; used at start-up.
+
+mod parse;
+mod spec;
+
+use std::path::{Path, PathBuf};
+
+pub use parse::parse_model_config;
+pub use spec::{
+    BatchingSpec, ClassifierSpec, EnsembleSpec, GroupKind, InstanceGroupSpec, ModelKind,
+    PreprocessorSpec, ResizeMode,
+};
+
+use crate::domain::{ModelName, ModelVersion};
+
+/// Prost types generated from `proto/model_config.proto` (Triton's field names and numbers).
+pub mod pb {
+    #![allow(clippy::all, missing_docs)]
+    include!(concat!(env!("OUT_DIR"), "/inference.rs"));
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RepositoryError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("model '{model}': config.pbtxt does not parse: {message}")]
+    Parse { model: String, message: String },
+    #[error("model '{model}': field '{field}' is not supported: {remedy}")]
+    Unsupported {
+        model: String,
+        field: String,
+        remedy: String,
+    },
+    #[error("model '{model}': field '{field}': {message}")]
+    Invalid {
+        model: String,
+        field: String,
+        message: String,
+    },
+}
+
+/// A model that passed validation and can be started.
+#[derive(Debug, Clone)]
+pub struct RepositoryModel {
+    pub name: ModelName,
+    pub dir: PathBuf,
+    /// The configuration exactly as parsed from disk (returned by the config endpoints).
+    pub config: pb::ModelConfig,
+    pub version: ModelVersion,
+    pub kind: ModelKind,
+}
+
+/// A model whose directory exists but could not be loaded; the others still load.
+#[derive(Debug)]
+pub struct LoadFailure {
+    pub model: String,
+    pub error: RepositoryError,
+}
+
+#[derive(Debug, Default)]
+pub struct ScanResult {
+    pub models: Vec<RepositoryModel>,
+    pub failures: Vec<LoadFailure>,
+}
+
+/// Reads every model directory under `root`. Only an unreadable `root` is an error;
+/// a broken model becomes a [`LoadFailure`] and the rest load.
+pub fn scan(root: &Path) -> Result<ScanResult, RepositoryError> {
+    let io = |source| RepositoryError::Io {
+        path: root.to_path_buf(),
+        source,
+    };
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(root)
+        .map_err(io)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.is_dir() && p.join("config.pbtxt").is_file())
+        .collect();
+    dirs.sort();
+
+    let mut result = ScanResult::default();
+    for dir in dirs {
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        match load_model(&dir, &name) {
+            Ok(model) => result.models.push(model),
+            Err(error) => result.failures.push(LoadFailure { model: name, error }),
+        }
+    }
+    spec::check_ensembles(&mut result);
+    Ok(result)
+}
+
+fn load_model(dir: &Path, name: &str) -> Result<RepositoryModel, RepositoryError> {
+    let path = dir.join("config.pbtxt");
+    let text = std::fs::read_to_string(&path).map_err(|source| RepositoryError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    let mut config = parse_model_config(name, &text)?;
+    if config.name.is_empty() {
+        // Triton fills an omitted name from the directory.
+        config.name = name.to_string();
+    } else if config.name != name {
+        return Err(RepositoryError::Invalid {
+            model: name.to_string(),
+            field: "name".into(),
+            message: format!(
+                "'{}' differs from the directory name; rename one of them",
+                config.name
+            ),
+        });
+    }
+    let versions = spec::available_versions(dir, name)?;
+    let version = spec::select_version(name, &config, &versions)?;
+    let kind = spec::model_kind(dir, name, &config, version)?;
+    Ok(RepositoryModel {
+        name: ModelName::new(name),
+        dir: dir.to_path_buf(),
+        config,
+        version,
+        kind,
+    })
+}

@@ -1,0 +1,113 @@
+//! One OS thread per model instance: owns its engine, offers itself to the batcher when
+//! idle, runs the batch it is given and answers each job's rows.
+use std::panic::AssertUnwindSafe;
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::{Batch, RowOutput, SchedulerError};
+use crate::domain::InstanceId;
+use crate::engine::{BatchInput, Engine, OutputRequest};
+
+/// An idle instance's offer: the batcher sends the next batch through it.
+pub(super) struct Slot {
+    pub batches: oneshot::Sender<Batch>,
+}
+
+pub(super) struct InstanceContext {
+    pub model: String,
+    pub id: InstanceId,
+    pub height: usize,
+    pub width: usize,
+}
+
+/// Runs until the batcher goes away. A panic inside the engine fails that batch and ends
+/// this instance (it may be in a broken state); the model keeps its other instances.
+pub(super) fn instance_loop(
+    ctx: InstanceContext,
+    mut engine: Box<dyn Engine>,
+    slots: mpsc::Sender<Slot>,
+) {
+    loop {
+        let (tx, rx) = oneshot::channel();
+        if slots.blocking_send(Slot { batches: tx }).is_err() {
+            break;
+        }
+        let Ok(batch) = rx.blocking_recv() else {
+            break;
+        };
+        if !run_batch(&ctx, engine.as_mut(), batch) {
+            tracing::error!(model = ctx.model, instance = %ctx.id, "instance stopped after a panic");
+            break;
+        }
+    }
+}
+
+/// Returns false if the engine panicked.
+fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bool {
+    let row_len = ctx.height * ctx.width * 3;
+    let mut data = Vec::with_capacity(batch.rows() * row_len);
+    let mut want = OutputRequest::default();
+    let mut normalize = None;
+    for (job, range) in &batch.parts {
+        for row in &job.job.rows[range.clone()] {
+            data.extend_from_slice(row);
+        }
+        want = want.merge(job.job.want);
+        normalize.get_or_insert(job.job.normalize);
+    }
+    let Some(normalize) = normalize else {
+        return true;
+    };
+    let input = BatchInput::Images {
+        data: &data,
+        height: ctx.height,
+        width: ctx.width,
+        normalize,
+    };
+    let result = std::panic::catch_unwind(AssertUnwindSafe(|| engine.run(input, want)));
+    let fail = |message: String| {
+        tracing::error!(model = ctx.model, instance = %ctx.id, %message, "batch failed");
+        for (job, _) in &batch.parts {
+            job.fail(SchedulerError::Execution {
+                model: ctx.model.clone(),
+                message: message.clone(),
+            });
+        }
+    };
+    match result {
+        Ok(Ok(mut out)) => {
+            let mut top_k = std::mem::take(&mut out.top_k).into_iter();
+            let logits = out.logits.take();
+            let mut offset = 0;
+            for (job, range) in &batch.parts {
+                let n = range.len();
+                let outputs = (0..n).map(|i| {
+                    let mut row_top = top_k.next().unwrap_or_default();
+                    row_top.truncate(job.job.want.top_k);
+                    let row_logits = match (&logits, job.job.want.logits) {
+                        (Some(l), true) => {
+                            let c = out.num_classes;
+                            Some(l[(offset + i) * c..(offset + i + 1) * c].to_vec())
+                        }
+                        _ => None,
+                    };
+                    RowOutput {
+                        top_k: row_top,
+                        logits: row_logits,
+                    }
+                });
+                job.complete(range.clone(), outputs.collect::<Vec<_>>());
+                offset += n;
+            }
+            true
+        }
+        Ok(Err(e)) => {
+            fail(e.to_string());
+            true
+        }
+        Err(_) => {
+            fail("the engine panicked".into());
+            false
+        }
+    }
+}

@@ -1,0 +1,142 @@
+//! Per-model scheduling: admission (`ModelHandle`), a batcher task that owns the pending
+//! rows and the idle instances, pure batching decisions, one OS thread per instance.
+//!
+//! Rows of many requests merge into one batch; a request with more rows than a batch is cut
+//! into row ranges that run on different instances at once, and its reply waits for all of
+//! them. Rows never cross between requests.
+
+mod batcher;
+mod handle;
+mod instance;
+pub mod policy;
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use tokio::sync::oneshot;
+
+pub use handle::{start_model, EngineFactory, ModelHandle, ModelSettings, ModelState};
+pub use policy::BatchPolicy;
+
+use crate::domain::{ClassScore, Normalize};
+use crate::engine::OutputRequest;
+use crate::error::ErrorKind;
+use crate::preprocess::Row;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum SchedulerError {
+    #[error("model '{0}' is busy: its queue is full, retry later")]
+    Overloaded(String),
+    #[error("model '{0}' is not ready")]
+    NotReady(String),
+    #[error("model '{model}' failed: {message}")]
+    Execution { model: String, message: String },
+}
+
+impl SchedulerError {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            SchedulerError::Overloaded(_) => ErrorKind::Overloaded,
+            SchedulerError::NotReady(_) => ErrorKind::NotReady,
+            SchedulerError::Execution { .. } => ErrorKind::Internal,
+        }
+    }
+}
+
+/// A request's rows and what it wants back.
+#[derive(Debug)]
+pub struct InferJob {
+    /// u8 HWC images of the model's input size.
+    pub rows: Vec<Row>,
+    pub normalize: Normalize,
+    pub want: OutputRequest,
+}
+
+/// One row's result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowOutput {
+    pub top_k: Vec<ClassScore>,
+    pub logits: Option<Vec<f32>>,
+}
+
+pub type JobResult = Result<Vec<RowOutput>, SchedulerError>;
+
+struct Collect {
+    outputs: Vec<Option<RowOutput>>,
+    remaining: usize,
+    reply: Option<oneshot::Sender<JobResult>>,
+}
+
+/// A job in the batcher: its rows are read by the instances that run its ranges, and
+/// every range writes its outputs back here; the last one answers.
+pub(crate) struct JobState {
+    job: InferJob,
+    enqueued_at: Instant,
+    collect: Mutex<Collect>,
+}
+
+impl JobState {
+    fn new(job: InferJob, reply: oneshot::Sender<JobResult>) -> Self {
+        let n = job.rows.len();
+        Self {
+            collect: Mutex::new(Collect {
+                outputs: vec![None; n],
+                remaining: n,
+                reply: Some(reply),
+            }),
+            job,
+            enqueued_at: Instant::now(),
+        }
+    }
+
+    fn rows(&self) -> usize {
+        self.job.rows.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Collect> {
+        // A panic while holding this lock only ever happens in code that cannot panic
+        // (plain assignments); recover the data rather than poisoning the job.
+        self.collect.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// True when the caller is gone (disconnected) or the job already failed.
+    fn abandoned(&self) -> bool {
+        self.lock().reply.as_ref().is_none_or(|r| r.is_closed())
+    }
+
+    fn complete(&self, range: Range<usize>, outputs: impl IntoIterator<Item = RowOutput>) {
+        let mut c = self.lock();
+        let len = range.len();
+        for (slot, out) in c.outputs[range].iter_mut().zip(outputs) {
+            *slot = Some(out);
+        }
+        c.remaining = c.remaining.saturating_sub(len);
+        if c.remaining == 0 {
+            if let Some(reply) = c.reply.take() {
+                let rows = std::mem::take(&mut c.outputs)
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                let _ = reply.send(Ok(rows));
+            }
+        }
+    }
+
+    fn fail(&self, error: SchedulerError) {
+        if let Some(reply) = self.lock().reply.take() {
+            let _ = reply.send(Err(error));
+        }
+    }
+}
+
+/// Row ranges of one or more jobs, run together on one instance.
+pub(crate) struct Batch {
+    parts: Vec<(Arc<JobState>, Range<usize>)>,
+}
+
+impl Batch {
+    fn rows(&self) -> usize {
+        self.parts.iter().map(|(_, r)| r.len()).sum()
+    }
+}
