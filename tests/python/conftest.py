@@ -1,0 +1,69 @@
+"""Starts the real visiongate binary (release build, bundled repository) for the suite."""
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+PHOTOS = ROOT / "tests" / "fixtures" / "photos"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args):
+        binary = os.environ.get("VISIONGATE_BIN")
+        assert binary and os.path.exists(binary), "VISIONGATE_BIN must point at the built binary (make test sets it)"
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        # The log goes to a file: a pipe nobody reads would block the server once full.
+        self.log_path = Path(tempfile.mkdtemp(prefix="visiongate-test-")) / "server.log"
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [binary, "--host", "127.0.0.1", "--http-port", str(self.port), "--model-repository", str(ROOT / "models"), *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log_path.read_text()}")
+            try:
+                if requests.get(self.base + "/v2/health/ready", timeout=1).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not become ready in 120 s")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = Server()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def all_photos():
+    return sorted(PHOTOS.glob("*/*.jpg"))
