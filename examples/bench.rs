@@ -38,9 +38,18 @@ fn forward(model: &Path, batch: usize, instances: usize, threads: i32, secs: f64
             std::thread::spawn(move || {
                 tch::set_num_threads(threads);
                 let mut engine = TorchEngine::load(&model, None).unwrap();
-                let data: Vec<f32> = (0..batch * 3 * 224 * 224).map(|i| ((i * 7919) % 255) as f32 / 128.0 - 1.0).collect();
-                let input = BatchInput::Tensors { data: &data, height: 224, width: 224 };
-                let want = OutputRequest { top_k: 5, logits: false };
+                let data: Vec<f32> = (0..batch * 3 * 224 * 224)
+                    .map(|i| ((i * 7919) % 255) as f32 / 128.0 - 1.0)
+                    .collect();
+                let input = BatchInput::Tensors {
+                    data: &data,
+                    height: 224,
+                    width: 224,
+                };
+                let want = OutputRequest {
+                    top_k: 5,
+                    logits: false,
+                };
                 for _ in 0..2 {
                     engine.run(input, want).unwrap(); // warm-up
                 }
@@ -62,7 +71,12 @@ fn forward(model: &Path, batch: usize, instances: usize, threads: i32, secs: f64
 }
 
 fn decode(files: &[Vec<u8>], threads: usize, min_side: u32, rounds: usize) -> f64 {
-    let settings = PreprocessSettings { width: 224, height: 224, dct_scaling_min_side: min_side, max_pixels: 100_000_000 };
+    let settings = PreprocessSettings {
+        width: 224,
+        height: 224,
+        dct_scaling_min_side: min_side,
+        max_pixels: 100_000_000,
+    };
     let t = Instant::now();
     std::thread::scope(|s| {
         for k in 0..threads {
@@ -94,7 +108,12 @@ async fn main() {
     println!("visiongate benchmark: {cores} cores, EfficientNet-Lite0 on CPU (libtorch)\n");
 
     println!("1. model-only forward (preprocessed f32 tensors), images/s");
-    println!("   {:>6} {:>26} {:>26}", "batch", "1 instance x 1 thread", format!("{cores} instances x 1 thread"));
+    println!(
+        "   {:>6} {:>26} {:>26}",
+        "batch",
+        "1 instance x 1 thread",
+        format!("{cores} instances x 1 thread")
+    );
     let mut best = 0.0f64;
     for batch in [1, 8, 32] {
         let one = forward(&model, batch, 1, 1, 4.0);
@@ -109,25 +128,44 @@ async fn main() {
     println!("\n2. decode + resize to 224x224 (JPEG, DCT threshold 448 / 224), images/s");
     for dir in ["small", "medium", "large"] {
         let files = photos(dir);
-        let rounds = match dir { "small" => 20, "medium" => 3, _ => 2 };
+        let rounds = match dir {
+            "small" => 20,
+            "medium" => 3,
+            _ => 2,
+        };
         let mut cells = Vec::new();
         for min_side in [448, 224] {
-            cells.push(format!("{:>7.1} (1 thr) {:>7.1} ({cores} thr)", decode(&files, 1, min_side, rounds), decode(&files, cores, min_side, rounds)));
+            cells.push(format!(
+                "{:>7.1} (1 thr) {:>7.1} ({cores} thr)",
+                decode(&files, 1, min_side, rounds),
+                decode(&files, cores, min_side, rounds)
+            ));
         }
         println!("   {dir:<7} 448: {}   224: {}", cells[0], cells[1]);
     }
 
-    println!("\n3. POST /predict, one request of {images} photos (small photos repeated), real server");
+    println!(
+        "\n3. POST /predict, one request of {images} photos (small photos repeated), real server"
+    );
     let mut config = Config::for_tests();
     config.model_repository = root().join("models");
-    let gw = Gateway::start(config.validate().unwrap(), EngineChoice::Torch).await.unwrap();
+    let gw = Gateway::start(config.validate().unwrap(), EngineChoice::Torch)
+        .await
+        .unwrap();
     assert!(gw.wait_ready().await.is_empty());
     let small = photos("small");
     let mut form = reqwest::multipart::Form::new();
     for i in 0..images {
-        form = form.part("files", reqwest::multipart::Part::bytes(small[i % small.len()].clone()).file_name(format!("{i}.jpg")));
+        form = form.part(
+            "files",
+            reqwest::multipart::Part::bytes(small[i % small.len()].clone())
+                .file_name(format!("{i}.jpg")),
+        );
     }
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(3600)).build().unwrap();
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(3600))
+        .build()
+        .unwrap();
     let t = Instant::now();
     let resp = client
         .post(format!("http://{}/predict?top_k=1", gw.http_addr))
@@ -138,9 +176,14 @@ async fn main() {
     let status = resp.status();
     let body: serde_json::Value = resp.json().await.unwrap();
     let secs = t.elapsed().as_secs_f64();
-    let ok = body["results"].as_array().map_or(0, |r| r.iter().filter(|x| x.get("label").is_some()).count());
+    let ok = body["results"]
+        .as_array()
+        .map_or(0, |r| r.iter().filter(|x| x.get("label").is_some()).count());
     let rate = images as f64 / secs;
     println!("   status {status}, {ok}/{images} labelled, {secs:.2} s, {rate:.1} images/s");
-    println!("   = {:.2}x the best model-only figure ({best:.1} images/s)", rate / best);
+    println!(
+        "   = {:.2}x the best model-only figure ({best:.1} images/s)",
+        rate / best
+    );
     gw.stop().await;
 }

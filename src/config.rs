@@ -24,6 +24,11 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_HTTP_PORT", default_value_t = 8000)]
     pub http_port: u16,
 
+    /// Prometheus metrics port (`GET /metrics`, Triton's metric names). Triton's default
+    /// is 8002; 0 picks a free port.
+    #[arg(long, env = "VISIONGATE_METRICS_PORT", default_value_t = 8002)]
+    pub metrics_port: u16,
+
     /// HTTP worker threads (async I/O only; decoding and inference have their own
     /// threads). 0: one per CPU core.
     #[arg(long, env = "VISIONGATE_HTTP_WORKERS", default_value_t = 0)]
@@ -73,16 +78,6 @@ pub struct Config {
     /// Lower is faster on large photos; higher is closer to a full-size decode.
     #[arg(long, env = "VISIONGATE_DCT_SCALING_MIN_SIDE")]
     pub dct_scaling_min_side: Option<u32>,
-
-    /// Batch sizes each instance runs once before the model reports ready (TorchScript
-    /// optimizes on its first calls). Comma-separated; 0 entries are ignored.
-    #[arg(
-        long,
-        env = "VISIONGATE_WARMUP_BATCH_SIZES",
-        value_delimiter = ',',
-        default_value = "1,1,8"
-    )]
-    pub warmup_batch_sizes: Vec<usize>,
 }
 
 /// Validated settings, passed down as one struct.
@@ -91,7 +86,6 @@ pub struct Settings {
     pub config: Config,
     pub decode_threads: usize,
     pub http_workers: usize,
-    pub warmup_batch_sizes: Vec<usize>,
     /// How long a stopping server lets in-flight requests finish.
     pub shutdown_grace: Duration,
 }
@@ -121,12 +115,6 @@ impl Config {
             } else {
                 self.http_workers
             },
-            warmup_batch_sizes: self
-                .warmup_batch_sizes
-                .iter()
-                .copied()
-                .filter(|&n| n > 0)
-                .collect(),
             shutdown_grace: Duration::from_secs(30),
             config: self,
         })
@@ -138,6 +126,7 @@ impl Config {
         c.model_repository = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models");
         c.host = IpAddr::from([127, 0, 0, 1]);
         c.http_port = 0;
+        c.metrics_port = 0;
         c.http_workers = 2;
         c
     }

@@ -40,8 +40,10 @@ pub enum EngineChoice {
 /// A running gateway: its bound address and the handles to stop it.
 pub struct Gateway {
     pub http_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
     pub state: web::Data<AppState>,
     server: actix_web::dev::ServerHandle,
+    metrics_server: actix_web::dev::ServerHandle,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
@@ -99,9 +101,9 @@ impl Gateway {
             scan,
             BuildOptions {
                 factory,
+                metrics: Arc::new(telemetry::Metrics::new()),
                 gpu_count,
                 default_queue_size: cfg.max_queue_size,
-                warmup_batch_sizes: settings.warmup_batch_sizes.clone(),
                 max_image_pixels: cfg.max_image_pixels,
                 dct_override: cfg.dct_scaling_min_side,
                 decode_threads: settings.decode_threads,
@@ -130,10 +132,40 @@ impl Gateway {
         let handle = server.handle();
         let task = tokio::spawn(server);
         tracing::info!(%http_addr, "HTTP listening");
+
+        let metrics = state.metrics.clone();
+        let metrics_server = HttpServer::new(move || {
+            let metrics = metrics.clone();
+            App::new().route(
+                "/metrics",
+                web::get().to(move || {
+                    let body = metrics.render();
+                    async move {
+                        actix_web::HttpResponse::Ok()
+                            .content_type("text/plain; version=0.0.4; charset=utf-8")
+                            .body(body)
+                    }
+                }),
+            )
+        })
+        .workers(1)
+        .disable_signals()
+        .bind((cfg.host, cfg.metrics_port))
+        .with_context(|| format!("binding metrics on {}:{}", cfg.host, cfg.metrics_port))?;
+        let metrics_addr = *metrics_server
+            .addrs()
+            .first()
+            .context("metrics server has no address")?;
+        let metrics_server = metrics_server.run();
+        let metrics_handle = metrics_server.handle();
+        tokio::spawn(metrics_server);
+        tracing::info!(%metrics_addr, "metrics listening");
         Ok(Gateway {
             http_addr,
+            metrics_addr,
             state,
             server: handle,
+            metrics_server: metrics_handle,
             task,
         })
     }
@@ -158,6 +190,7 @@ impl Gateway {
     pub async fn stop(self) {
         self.server.stop(true).await;
         let _ = self.task.await;
+        self.metrics_server.stop(true).await;
     }
 }
 

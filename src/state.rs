@@ -7,7 +7,8 @@ use crate::domain::{InstanceId, ModelName, ModelVersion, Normalize};
 use crate::error::{ErrorKind, GatewayError};
 use crate::preprocess::{PreprocessPool, PreprocessSettings};
 use crate::repository::{ClassifierSpec, GroupKind, InstanceGroupSpec, ModelKind, RepositoryModel};
-use crate::scheduler::{BatchPolicy, EngineFactory, ModelHandle, ModelSettings};
+use crate::scheduler::{BatchPolicy, BatchSizeChoice, EngineFactory, ModelHandle, ModelSettings};
+use crate::telemetry::Metrics;
 
 /// Limits of a `/predict` request.
 #[derive(Debug, Clone)]
@@ -60,14 +61,15 @@ pub struct AppState {
     pub failed: Vec<(String, String)>,
     pub pool: PreprocessPool,
     pub limits: UploadLimits,
+    pub metrics: Arc<Metrics>,
 }
 
 /// Everything `AppState::build` needs besides the repository.
 pub struct BuildOptions {
     pub factory: EngineFactory,
+    pub metrics: Arc<Metrics>,
     pub gpu_count: usize,
     pub default_queue_size: usize,
-    pub warmup_batch_sizes: Vec<usize>,
     pub max_image_pixels: u64,
     pub dct_override: Option<u32>,
     pub decode_threads: usize,
@@ -104,11 +106,6 @@ impl AppState {
                         instances,
                         policy: BatchPolicy {
                             max_batch_size: spec.max_batch_size,
-                            preferred_batch_sizes: spec
-                                .batching
-                                .as_ref()
-                                .map(|b| b.preferred_batch_sizes.clone())
-                                .unwrap_or_default(),
                             max_queue_delay: spec
                                 .batching
                                 .as_ref()
@@ -123,11 +120,8 @@ impl AppState {
                             .unwrap_or(opts.default_queue_size),
                         height: spec.height,
                         width: spec.width,
-                        warmup_batch_sizes: opts
-                            .warmup_batch_sizes
-                            .iter()
-                            .map(|&n| n.min(spec.max_batch_size))
-                            .collect(),
+                        batch_size: batch_size_choice(spec),
+                        metrics: opts.metrics.clone(),
                     };
                     let handle = crate::scheduler::start_model(settings, opts.factory.clone());
                     classifiers.insert(m.name.clone(), (handle.clone(), spec.clone()));
@@ -189,7 +183,12 @@ impl AppState {
         AppState {
             models,
             failed,
-            pool: PreprocessPool::start(opts.decode_threads, opts.decode_threads * 4),
+            pool: PreprocessPool::start(
+                opts.decode_threads,
+                opts.decode_threads * 4,
+                opts.metrics.clone(),
+            ),
+            metrics: opts.metrics,
             limits: opts.limits,
         }
     }
@@ -231,6 +230,27 @@ impl AppState {
     /// Ready: every loaded model is ready (failed ones are reported by their own status).
     pub fn is_ready(&self) -> bool {
         self.models.values().all(|m| m.is_ready())
+    }
+}
+
+/// How an instance picks its batch size. Without `dynamic_batching` requests run alone
+/// (the size only bounds warm-up); one preferred size pins it; none means Triton's "grow to
+/// max_batch_size"; several are candidates timed at warm-up, the fastest per image wins.
+pub fn batch_size_choice(spec: &ClassifierSpec) -> BatchSizeChoice {
+    let max = spec.max_batch_size;
+    match &spec.batching {
+        None => BatchSizeChoice::Pinned(1),
+        Some(b) => match b.preferred_batch_sizes.as_slice() {
+            [] => BatchSizeChoice::Pinned(max),
+            [one] => BatchSizeChoice::Pinned(*one),
+            many => {
+                let mut candidates = many.to_vec();
+                if !candidates.contains(&max) {
+                    candidates.push(max);
+                }
+                BatchSizeChoice::Tune(candidates)
+            }
+        },
     }
 }
 

@@ -111,6 +111,14 @@ async fn a_thousand_photos_succeed_and_one_more_is_413() {
         );
     }
 
+    for instance in ["cpu/0", "cpu/1"] {
+        let label = format!("instance=\"{instance}\"");
+        let n = gw
+            .metric("visiongate_instance_executions_total", &[&label])
+            .await;
+        assert!(n > 0.0, "the 1000-photo request never ran on {instance}");
+    }
+
     let mut too_many = thousand;
     too_many.push(photo("small", "sk_chelsea.jpg"));
     let r = gw.predict("", &too_many).await;

@@ -7,6 +7,8 @@ mod torch;
 pub use fake::FakeEngine;
 pub use torch::{cuda_device_count, TorchEngine};
 
+use std::time::Duration;
+
 use crate::domain::{ClassScore, Normalize};
 
 /// The rows of one batch, contiguous.
@@ -70,6 +72,18 @@ pub struct EngineOutput {
     /// Row-major `[rows, classes]` when requested.
     pub logits: Option<Vec<f32>>,
     pub num_classes: usize,
+    pub timings: ComputeTimings,
+}
+
+/// Where a batch's time went, as Triton splits it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ComputeTimings {
+    /// Input tensor built, copied to the device, normalized.
+    pub input: Duration,
+    /// The model's forward pass.
+    pub infer: Duration,
+    /// Softmax, top-k and the copy back to the host.
+    pub output: Duration,
 }
 
 #[derive(Debug, thiserror::Error)]

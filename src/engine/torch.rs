@@ -1,9 +1,10 @@
 //! libtorch (tch): one TorchScript module on one device, inference only.
 use std::path::Path;
+use std::time::Instant;
 
 use tch::{CModule, Device, Kind, Tensor};
 
-use super::{BatchInput, Engine, EngineError, EngineOutput, OutputRequest};
+use super::{BatchInput, ComputeTimings, Engine, EngineError, EngineOutput, OutputRequest};
 use crate::domain::ClassScore;
 
 /// Number of CUDA devices libtorch sees (0 without a GPU or without CUDA libraries).
@@ -38,6 +39,13 @@ impl TorchEngine {
         })?;
         module.set_eval();
         Ok(Self { module, device })
+    }
+
+    /// CUDA runs asynchronously: wait for the device so the timings split honestly.
+    fn sync(&self) {
+        if let Device::Cuda(i) = self.device {
+            tch::Cuda::synchronize(i as i64);
+        }
     }
 
     fn input_tensor(&self, input: BatchInput<'_>) -> Result<Tensor, tch::TchError> {
@@ -82,8 +90,13 @@ impl TorchEngine {
     ) -> Result<EngineOutput, tch::TchError> {
         let _no_grad = tch::no_grad_guard();
         let rows = input.rows();
+        let t0 = Instant::now();
         let x = self.input_tensor(input)?;
+        self.sync();
+        let t1 = Instant::now();
         let logits = self.module.forward_ts(&[x])?;
+        self.sync();
+        let t2 = Instant::now();
         let size = logits.size();
         if size.len() != 2 || size[0] != rows as i64 {
             return Err(tch::TchError::Shape(format!(
@@ -123,6 +136,11 @@ impl TorchEngine {
                 .f_flatten(0, -1)?;
             out.logits = Some(Vec::<f32>::try_from(&host)?);
         }
+        out.timings = ComputeTimings {
+            input: t1 - t0,
+            infer: t2 - t1,
+            output: t2.elapsed(),
+        };
         Ok(out)
     }
 }

@@ -11,12 +11,12 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::BytesMut;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::engine::OutputRequest;
 use crate::error::{ErrorKind, GatewayError};
 use crate::preprocess::{PreprocessError, Row};
-use crate::scheduler::InferJob;
+use crate::scheduler::{Admission, InferJob, PendingRows};
 use crate::state::{AppState, ImagePipeline};
 
 const DEFAULT_MODEL: &str = "ensemble_model";
@@ -131,48 +131,49 @@ pub async fn predict(
         )));
     }
 
-    let files = read_upload(&req, payload, &state, &pipeline).await?;
-    if files.is_empty() {
+    // One queue place for the whole request, taken before the upload is read: a full
+    // queue answers 503 at once. Rows then enter the queue in chunks as their decode
+    // finishes, so inference of the first images overlaps decoding and uploading the rest.
+    let mut admission = pipeline.classifier.admit()?;
+    let want = OutputRequest {
+        top_k,
+        logits: false,
+    };
+    // Between the reader and the feeder: files in upload order, each holding its decode.
+    // Capacity: every file of a request fits (the decode pool bounds the work in flight).
+    let (files_tx, files_rx) = mpsc::channel(state.limits.max_files.max(1));
+    // A request-level error of either side (413 at the first extra part, say) answers
+    // at once; chunks already queued are dropped with their receivers.
+    let fed = futures_util::future::try_join(
+        read_upload(&req, payload, &state, &pipeline, files_tx),
+        feed(files_rx, &admission, &pipeline, want),
+    )
+    .await;
+    let (outcomes, chunks) = match fed {
+        Ok(((), fed)) => fed,
+        Err(e) => {
+            admission.abandon();
+            return Err(e);
+        }
+    };
+    admission.all_submitted();
+    if outcomes.is_empty() {
+        admission.abandon();
         return Err(invalid(
             "no files: send one or more multipart parts named 'files' (or 'file')",
         ));
     }
-
-    // Wait for every decode, keeping upload order.
-    let mut rows = Vec::new();
-    let mut outcomes: Vec<(String, Result<usize, PreprocessError>)> =
-        Vec::with_capacity(files.len());
-    for file in files {
-        let outcome = match file.upload {
-            Upload::Failed(e) => Err(e),
-            Upload::Decoding(rx) => match rx.await {
-                Ok(Ok(row)) => {
-                    rows.push(row);
-                    Ok(rows.len() - 1)
-                }
-                Ok(Err(e)) => Err(e),
-                Err(_) => {
-                    return Err(GatewayError::new(
-                        ErrorKind::NotReady,
-                        "the decode pool is shutting down",
-                    ))
-                }
-            },
-        };
-        outcomes.push((file.filename, outcome));
+    let mut outputs = Vec::new();
+    for chunk in chunks {
+        match chunk.wait(pipeline.name.as_str()).await {
+            Ok(rows) => outputs.extend(rows),
+            Err(e) => {
+                admission.finish(&Err::<(), _>(e.clone()));
+                return Err(e.into());
+            }
+        }
     }
-
-    let outputs = pipeline
-        .classifier
-        .infer(InferJob {
-            rows,
-            normalize: pipeline.normalize,
-            want: OutputRequest {
-                top_k,
-                logits: false,
-            },
-        })
-        .await?;
+    admission.finish(&Ok(()));
 
     let label = |class: u32| {
         pipeline
@@ -232,15 +233,16 @@ async fn read_upload(
     payload: web::Payload,
     state: &AppState,
     pipeline: &ImagePipeline,
-) -> Result<Vec<UploadedFile>, GatewayError> {
+    files: mpsc::Sender<UploadedFile>,
+) -> Result<(), GatewayError> {
     let limits = &state.limits;
     let mut multipart = Multipart::new(req.headers(), payload);
-    let mut files: Vec<UploadedFile> = Vec::new();
+    let mut count = 0usize;
     let mut body_bytes: u64 = 0;
     while let Some(field) = multipart.next().await {
         let mut field = field.map_err(multipart_error)?;
         let is_file = field.name().is_some_and(|n| FILE_FIELDS.contains(&n));
-        if is_file && files.len() == limits.max_files {
+        if is_file && count == limits.max_files {
             return Err(too_large(format!(
                 "too many files: at most {} per request",
                 limits.max_files
@@ -250,7 +252,7 @@ async fn read_upload(
             .content_disposition()
             .and_then(|cd| cd.get_filename())
             .map(str::to_string)
-            .unwrap_or_else(|| format!("file{}", files.len()));
+            .unwrap_or_else(|| format!("file{count}"));
         let mut data = BytesMut::new();
         let mut size: u64 = 0;
         while let Some(chunk) = field.next().await {
@@ -286,7 +288,66 @@ async fn read_upload(
                     .await,
             )
         };
-        files.push(UploadedFile { filename, upload });
+        count += 1;
+        if files.send(UploadedFile { filename, upload }).await.is_err() {
+            break; // the feeder stopped: its error answers the request
+        }
     }
-    Ok(files)
+    Ok(())
+}
+
+/// Rows submitted per job while the upload streams in: small enough that the first
+/// images start early, large enough that the per-job cost is nothing. The batcher still
+/// merges chunks into each instance's own batch size.
+const CHUNK_ROWS: usize = 8;
+
+type Outcomes = Vec<(String, Result<usize, PreprocessError>)>;
+
+/// Takes files in upload order, waits for each decode and submits the decoded rows in
+/// chunks of `CHUNK_ROWS`. Returns each file's outcome (its row index or its error) and
+/// the pending outputs of every chunk, in order.
+async fn feed(
+    mut files: mpsc::Receiver<UploadedFile>,
+    admission: &Admission,
+    pipeline: &ImagePipeline,
+    want: OutputRequest,
+) -> Result<(Outcomes, Vec<PendingRows>), GatewayError> {
+    let mut outcomes = Vec::new();
+    let mut chunks = Vec::new();
+    let mut rows: Vec<Row> = Vec::with_capacity(CHUNK_ROWS);
+    let mut next_row = 0;
+    let submit = |rows: Vec<Row>| {
+        admission.submit(InferJob {
+            rows,
+            normalize: pipeline.normalize,
+            want,
+        })
+    };
+    while let Some(file) = files.recv().await {
+        let outcome = match file.upload {
+            Upload::Failed(e) => Err(e),
+            Upload::Decoding(rx) => match rx.await {
+                Ok(Ok(row)) => {
+                    rows.push(row);
+                    next_row += 1;
+                    Ok(next_row - 1)
+                }
+                Ok(Err(e)) => Err(e),
+                Err(_) => {
+                    return Err(GatewayError::new(
+                        ErrorKind::NotReady,
+                        "the decode pool is shutting down",
+                    ))
+                }
+            },
+        };
+        outcomes.push((file.filename, outcome));
+        if rows.len() == CHUNK_ROWS {
+            chunks.push(submit(std::mem::take(&mut rows)).await?);
+        }
+    }
+    if !rows.is_empty() {
+        chunks.push(submit(rows).await?);
+    }
+    Ok((outcomes, chunks))
 }

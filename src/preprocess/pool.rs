@@ -6,6 +6,7 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 
 use super::{decode_into, PreprocessError, PreprocessSettings};
+use crate::telemetry::Metrics;
 
 /// One preprocessed image: u8 HWC RGB of the model's input size.
 pub type Row = Vec<u8>;
@@ -27,13 +28,14 @@ pub struct PreprocessPool {
 impl PreprocessPool {
     /// `threads` decoding threads; `queue` tasks may wait for one. A full queue makes
     /// `submit` wait, which slows the upload that feeds it instead of buffering it all.
-    pub fn start(threads: usize, queue: usize) -> Self {
+    pub fn start(threads: usize, queue: usize, metrics: Arc<Metrics>) -> Self {
         let (tx, rx) = async_channel::bounded::<Task>(queue.max(1));
         for i in 0..threads.max(1) {
             let rx = rx.clone();
+            let metrics = metrics.clone();
             std::thread::Builder::new()
                 .name(format!("decode/{i}"))
-                .spawn(move || worker(rx))
+                .spawn(move || worker(rx, metrics))
                 .expect("spawning a decode thread");
         }
         Self { tasks: tx }
@@ -60,11 +62,12 @@ impl PreprocessPool {
     }
 }
 
-fn worker(rx: async_channel::Receiver<Task>) {
+fn worker(rx: async_channel::Receiver<Task>, metrics: Arc<Metrics>) {
     while let Ok(task) = rx.recv_blocking() {
         if task.reply.is_closed() {
             continue; // nobody waits for it (client went away)
         }
+        let started = std::time::Instant::now();
         let mut row = vec![0u8; task.settings.row_len()];
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
             decode_into(&task.bytes, &task.settings, &mut row)
@@ -74,6 +77,9 @@ fn worker(rx: async_channel::Receiver<Task>) {
                 "the decoder failed on this file".into(),
             ))
         });
+        metrics
+            .decode_seconds
+            .observe(started.elapsed().as_secs_f64());
         let _ = task.reply.send(result.map(|()| row));
     }
 }
@@ -84,7 +90,7 @@ mod tests {
 
     #[tokio::test]
     async fn pool_decodes_and_reports_errors_per_task() {
-        let pool = PreprocessPool::start(2, 4);
+        let pool = PreprocessPool::start(2, 4, Arc::new(Metrics::new()));
         let settings = Arc::new(PreprocessSettings {
             width: 8,
             height: 8,

@@ -4,16 +4,19 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
 use super::instance::Slot;
 use super::policy::{decide, BatchPolicy, Decision};
-use super::{Batch, JobState, SchedulerError};
+use super::{Admitted, Batch, JobState, SchedulerError};
+use crate::telemetry::{micros, reason, Metrics};
 
 /// A job waiting in the batcher, with how many of its rows were already cut.
 struct Pending {
     job: Arc<JobState>,
     next_row: usize,
+    /// Frees the request's queue place when its last job leaves the queue.
+    _permit: Arc<OwnedSemaphorePermit>,
 }
 
 #[derive(Default)]
@@ -23,14 +26,19 @@ struct Queue {
 }
 
 impl Queue {
-    fn push(&mut self, job: Arc<JobState>) {
-        self.rows += job.rows();
-        self.jobs.push_back(Pending { job, next_row: 0 });
+    fn push(&mut self, admitted: Admitted) {
+        self.rows += admitted.job.rows();
+        self.jobs.push_back(Pending {
+            job: admitted.job,
+            next_row: 0,
+            _permit: admitted.permit,
+        });
     }
 
-    /// Drops jobs nobody waits for any more (their client disconnected).
-    fn drop_abandoned(&mut self) {
+    /// Drops jobs nobody waits for any more (their client disconnected); returns how many.
+    fn drop_abandoned(&mut self) -> usize {
         let rows = &mut self.rows;
+        let before = self.jobs.len();
         self.jobs.retain(|p| {
             let keep = !p.job.abandoned();
             if !keep {
@@ -38,6 +46,7 @@ impl Queue {
             }
             keep
         });
+        before - self.jobs.len()
     }
 
     fn head_rows(&self) -> usize {
@@ -49,8 +58,9 @@ impl Queue {
     }
 
     /// Takes up to `n` rows from the front. Only jobs with the same normalization share a
-    /// batch, since the whole batch is normalized at once on the device.
-    fn cut(&mut self, n: usize) -> Batch {
+    /// batch, since the whole batch is normalized at once on the device. Calls
+    /// `started(job)` for each job whose first rows leave the queue.
+    fn cut(&mut self, n: usize, mut started: impl FnMut(&JobState)) -> Batch {
         let mut parts = Vec::new();
         let mut left = n;
         while left > 0 {
@@ -62,6 +72,9 @@ impl Queue {
                 if first.job.normalize != front.job.job.normalize {
                     break;
                 }
+            }
+            if front.next_row == 0 {
+                started(&front.job);
             }
             let take = left.min(front.job.rows() - front.next_row);
             let range = front.next_row..front.next_row + take;
@@ -77,28 +90,50 @@ impl Queue {
     }
 }
 
+/// Who the batcher works for, for logs and metrics.
+pub(super) struct BatcherLabels {
+    pub model: String,
+    pub version: String,
+    pub metrics: Arc<Metrics>,
+}
+
 pub(super) async fn run_batcher(
-    model: String,
-    mut jobs: mpsc::Receiver<Arc<JobState>>,
+    labels: BatcherLabels,
+    mut jobs: mpsc::Receiver<Admitted>,
     mut slots: mpsc::Receiver<Slot>,
     policy: BatchPolicy,
 ) {
+    let model = labels.model.clone();
+    let mv = [labels.model.as_str(), labels.version.as_str()];
+    let m = &labels.metrics;
+    let pending_gauge = m.pending_requests.with_label_values(&mv);
+    let queue_us = m.queue_duration_us.with_label_values(&mv);
+    let canceled = m
+        .request_failure
+        .with_label_values(&[mv[0], mv[1], reason::CANCELED]);
     let mut queue = Queue::default();
     let mut idle: VecDeque<Slot> = VecDeque::new();
     let mut jobs_open = true;
     loop {
         let mut timer = None;
-        while !idle.is_empty() {
-            queue.drop_abandoned();
+        while let Some(target) = idle.front().map(|s| s.target) {
+            canceled.inc_by(queue.drop_abandoned() as u64);
             let now = Instant::now();
-            match decide(queue.rows, queue.head_rows(), queue.oldest(), now, &policy) {
+            match decide(
+                queue.rows,
+                queue.head_rows(),
+                queue.oldest(),
+                now,
+                &policy,
+                target,
+            ) {
                 Decision::Idle => break,
                 Decision::Wait(until) => {
                     timer = Some(until);
                     break;
                 }
                 Decision::Cut(n) => {
-                    let batch = queue.cut(n);
+                    let batch = queue.cut(n, |job| queue_us.inc_by(micros(now - job.enqueued_at)));
                     let slot = idle.pop_front().expect("loop runs only with an idle slot");
                     if let Err(batch) = slot.batches.send(batch) {
                         // The instance thread ended between offering and receiving.
@@ -109,6 +144,7 @@ pub(super) async fn run_batcher(
                 }
             }
         }
+        pending_gauge.set(queue.jobs.len() as i64);
         if !jobs_open && queue.jobs.is_empty() {
             break; // drained: dropping the slots ends the instance threads
         }
@@ -146,9 +182,9 @@ mod tests {
     use crate::domain::Normalize;
     use crate::engine::OutputRequest;
     use crate::scheduler::InferJob;
-    use tokio::sync::oneshot;
+    use tokio::sync::{oneshot, Semaphore};
 
-    fn job(rows: usize, mean: f32) -> (Arc<JobState>, oneshot::Receiver<super::super::JobResult>) {
+    fn job(rows: usize, mean: f32) -> (Admitted, oneshot::Receiver<super::super::JobResult>) {
         let (tx, rx) = oneshot::channel();
         let job = InferJob {
             rows: vec![vec![0u8; 3]; rows],
@@ -161,7 +197,14 @@ mod tests {
                 logits: false,
             },
         };
-        (Arc::new(JobState::new(job, tx)), rx)
+        let permit = Arc::new(Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap());
+        (
+            Admitted {
+                job: Arc::new(JobState::new(job, tx)),
+                permit,
+            },
+            rx,
+        )
     }
 
     #[test]
@@ -171,7 +214,7 @@ mod tests {
         let (b, _rb) = job(2, 0.0);
         q.push(a);
         q.push(b);
-        let first = q.cut(3);
+        let first = q.cut(3, |_| {});
         assert_eq!(
             first
                 .parts
@@ -180,7 +223,7 @@ mod tests {
                 .collect::<Vec<_>>(),
             vec![0..3]
         );
-        let second = q.cut(4);
+        let second = q.cut(4, |_| {});
         assert_eq!(
             second
                 .parts
@@ -200,7 +243,7 @@ mod tests {
         let (b, _rb) = job(2, 0.5);
         q.push(a);
         q.push(b);
-        assert_eq!(q.cut(4).rows(), 2);
+        assert_eq!(q.cut(4, |_| {}).rows(), 2);
         assert_eq!(q.rows, 2);
     }
 

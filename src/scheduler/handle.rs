@@ -3,13 +3,14 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 
-use super::batcher::run_batcher;
+use super::batcher::{run_batcher, BatcherLabels};
 use super::instance::{instance_loop, InstanceContext, Slot};
-use super::{BatchPolicy, InferJob, JobResult, JobState, SchedulerError};
+use super::{Admitted, BatchPolicy, InferJob, JobResult, JobState, SchedulerError};
 use crate::domain::{InstanceId, ModelName, ModelVersion, Normalize};
 use crate::engine::{BatchInput, Engine, EngineError, OutputRequest};
+use crate::telemetry::{micros, reason, Metrics};
 
 /// Builds the engine of one instance; called on that instance's own thread.
 pub type EngineFactory =
@@ -25,9 +26,18 @@ pub struct ModelSettings {
     pub queue_capacity: usize,
     pub height: usize,
     pub width: usize,
-    /// Batch sizes run once each on every instance before the model is ready
-    /// (TorchScript's first calls for a shape are slow).
-    pub warmup_batch_sizes: Vec<usize>,
+    /// How each instance picks the batch size it asks the batcher for.
+    pub batch_size: BatchSizeChoice,
+    pub metrics: Arc<Metrics>,
+}
+
+/// Batch size per instance: fixed by the config, or the candidate with the lowest time per
+/// image measured on the instance's own device at warm-up (on a CPU per-image cost grows
+/// with batch size, on a GPU it falls).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchSizeChoice {
+    Pinned(usize),
+    Tune(Vec<usize>),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -40,7 +50,10 @@ pub enum ModelState {
 struct Inner {
     name: ModelName,
     version: ModelVersion,
-    jobs: mpsc::Sender<Arc<JobState>>,
+    metrics: Arc<Metrics>,
+    jobs: mpsc::Sender<Admitted>,
+    /// One permit per queue place (`max_queue_size`).
+    queue_places: Arc<Semaphore>,
     state: watch::Receiver<ModelState>,
 }
 
@@ -77,23 +90,133 @@ impl ModelHandle {
         state.unwrap_or_else(|_| ModelState::Failed("model stopped while loading".into()))
     }
 
-    /// Queues the job at once or refuses it (`Overloaded` when the queue is full); never
-    /// waits for room. Resolves when every row has its output.
-    pub async fn infer(&self, job: InferJob) -> JobResult {
-        let name = self.inner.name.to_string();
+    /// Takes one place in the model's queue, or refuses at once (`Overloaded` when the
+    /// queue is full, `NotReady`); never waits for room. The place is held until every row
+    /// submitted through the admission has left the queue.
+    pub fn admit(&self) -> Result<Admission, SchedulerError> {
+        let refused = |e: SchedulerError| {
+            self.account(&Err(e.clone()), Instant::now());
+            e
+        };
         if !self.is_ready() {
-            return Err(SchedulerError::NotReady(name));
+            return Err(refused(SchedulerError::NotReady(
+                self.inner.name.to_string(),
+            )));
         }
-        if job.rows.is_empty() {
-            return Ok(Vec::new());
+        let permit = self
+            .inner
+            .queue_places
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| refused(SchedulerError::Overloaded(self.inner.name.to_string())))?;
+        Ok(Admission {
+            handle: self.clone(),
+            permit: Some(Arc::new(permit)),
+            started: Instant::now(),
+        })
+    }
+
+    /// Admits, queues the job and resolves when every row has its output.
+    pub async fn infer(&self, job: InferJob) -> JobResult {
+        let mut admission = self.admit()?;
+        let submitted = admission.submit(job).await;
+        admission.all_submitted();
+        let result = match submitted {
+            Ok(rows) => rows.wait(self.inner.name.as_str()).await,
+            Err(e) => Err(e),
+        };
+        admission.finish(&result);
+        result
+    }
+
+    fn account(&self, result: &JobResult, started: Instant) {
+        let m = &self.inner.metrics;
+        let version = self.inner.version.to_string();
+        let labels = [self.inner.name.as_str(), version.as_str()];
+        match result {
+            Ok(_) => {
+                m.request_success.with_label_values(&labels).inc();
+                m.request_duration_us
+                    .with_label_values(&labels)
+                    .inc_by(micros(started.elapsed()));
+            }
+            Err(e) => {
+                let why = match e {
+                    SchedulerError::Overloaded(_) => reason::REJECTED,
+                    SchedulerError::Execution { .. } => reason::BACKEND,
+                    SchedulerError::NotReady(_) => reason::OTHER,
+                };
+                m.request_failure
+                    .with_label_values(&[labels[0], labels[1], why])
+                    .inc();
+            }
         }
+    }
+}
+
+/// One request's place in a model's queue. Its rows may be submitted in several jobs
+/// (as they are decoded); they share the place and never mix with other requests' rows
+/// except by sharing batches.
+pub struct Admission {
+    handle: ModelHandle,
+    /// Shared with the queued jobs; `None` once every job is submitted, so the place is
+    /// freed as soon as the last of them leaves the queue.
+    permit: Option<Arc<OwnedSemaphorePermit>>,
+    started: Instant,
+}
+
+/// The outputs of one submitted job, in its row order.
+pub struct PendingRows(oneshot::Receiver<JobResult>);
+
+impl PendingRows {
+    pub async fn wait(self, model: &str) -> JobResult {
+        self.0
+            .await
+            .unwrap_or_else(|_| Err(SchedulerError::NotReady(model.to_string())))
+    }
+}
+
+impl Admission {
+    /// Queues `job`. Waits only if the channel to the batcher is momentarily full (the
+    /// request is already admitted; this is backpressure, not admission).
+    pub async fn submit(&self, job: InferJob) -> Result<PendingRows, SchedulerError> {
         let (reply, rx) = oneshot::channel();
-        let state = Arc::new(JobState::new(job, reply));
-        self.inner.jobs.try_send(state).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => SchedulerError::Overloaded(name.clone()),
-            mpsc::error::TrySendError::Closed(_) => SchedulerError::NotReady(name.clone()),
-        })?;
-        rx.await.unwrap_or(Err(SchedulerError::NotReady(name)))
+        if job.rows.is_empty() {
+            let _ = reply.send(Ok(Vec::new()));
+            return Ok(PendingRows(rx));
+        }
+        let name = || self.handle.inner.name.to_string();
+        let Some(permit) = self.permit.clone() else {
+            return Err(SchedulerError::NotReady(name()));
+        };
+        let admitted = Admitted {
+            job: Arc::new(JobState::new(job, reply)),
+            permit,
+        };
+        self.handle
+            .inner
+            .jobs
+            .send(admitted)
+            .await
+            .map_err(|_| SchedulerError::NotReady(name()))?;
+        Ok(PendingRows(rx))
+    }
+
+    /// No more jobs will come: the queue place is freed when the last one is cut.
+    pub fn all_submitted(&mut self) {
+        self.permit = None;
+    }
+
+    /// The request failed before its rows ran (bad upload): counted as Triton's `OTHER`.
+    pub fn abandon(self) {
+        let e = SchedulerError::NotReady(self.handle.inner.name.to_string());
+        self.finish(&Err::<(), _>(e));
+    }
+
+    /// Counts the request's outcome (Triton's success/failure counters) and frees its place.
+    pub fn finish<T>(self, result: &Result<T, SchedulerError>) {
+        let outcome = result.as_ref().map(|_| Vec::new()).map_err(|e| e.clone());
+        self.handle.account(&outcome, self.started);
     }
 }
 
@@ -101,8 +224,12 @@ impl ModelHandle {
 /// The handle is `Loading` until every instance has loaded and warmed up.
 pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHandle {
     let name = settings.name.to_string();
-    // Capacity: the configured queue size, so admission refuses past it.
-    let (jobs_tx, jobs_rx) = mpsc::channel(settings.queue_capacity.max(1));
+    let version = settings.version.to_string();
+    settings.metrics.register_model(&name, &version);
+    let queue_places = Arc::new(Semaphore::new(settings.queue_capacity.max(1)));
+    // The batcher drains this at once into its own queue (bounded by `queue_places`);
+    // the capacity only smooths bursts of chunks from streaming uploads.
+    let (jobs_tx, jobs_rx) = mpsc::channel(settings.queue_capacity.max(1) * 4);
     // Every instance holds at most one outstanding offer.
     let (slots_tx, slots_rx) = mpsc::channel::<Slot>(settings.instances.len().max(1));
     let (state_tx, state_rx) = watch::channel(ModelState::Loading);
@@ -115,24 +242,27 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         let slots = slots_tx.clone();
         let ctx = InstanceContext {
             model: name.clone(),
+            version: version.clone(),
+            metrics: settings.metrics.clone(),
             id,
             height: settings.height,
             width: settings.width,
         };
-        let warmup = settings.warmup_batch_sizes.clone();
+        let choice = settings.batch_size.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("{name}/{id}"))
             .spawn(move || {
                 let engine = factory(id)
                     .map_err(|e| e.to_string())
                     .and_then(|mut engine| {
-                        warm_up(engine.as_mut(), &ctx, &warmup)?;
-                        Ok(engine)
+                        let target = warm_up(engine.as_mut(), &ctx, &choice)?;
+                        Ok((engine, target))
                     });
                 match engine {
-                    Ok(engine) => {
-                        let _ = done_tx.send(Ok(engine.device_name()));
-                        instance_loop(ctx, engine, slots);
+                    Ok((engine, target)) => {
+                        let _ =
+                            done_tx.send(Ok(format!("{} batch {target}", engine.device_name())));
+                        instance_loop(ctx, engine, target, slots);
                     }
                     Err(e) => {
                         let _ = done_tx.send(Err(e));
@@ -146,7 +276,11 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
     drop(slots_tx);
 
     tokio::spawn(run_batcher(
-        name.clone(),
+        BatcherLabels {
+            model: name.clone(),
+            version: version.clone(),
+            metrics: settings.metrics.clone(),
+        },
         jobs_rx,
         slots_rx,
         settings.policy.clone(),
@@ -184,15 +318,25 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         inner: Arc::new(Inner {
             name: settings.name,
             version: settings.version,
+            metrics: settings.metrics,
             jobs: jobs_tx,
+            queue_places,
             state: state_rx,
         }),
     }
 }
 
-fn warm_up(engine: &mut dyn Engine, ctx: &InstanceContext, sizes: &[usize]) -> Result<(), String> {
+/// Warms the instance up (TorchScript optimizes on its first calls) and returns its batch
+/// size: the pinned one, or the candidate with the lowest measured time per image. Other
+/// batch shapes are not run one by one: after the first calls, a new shape's first run was
+/// measured within about 15% of its steady time on this model.
+fn warm_up(
+    engine: &mut dyn Engine,
+    ctx: &InstanceContext,
+    choice: &BatchSizeChoice,
+) -> Result<usize, String> {
     let row = ctx.height * ctx.width * 3;
-    for &n in sizes {
+    let mut run = |n: usize| -> Result<f64, String> {
         let data = vec![128u8; n.max(1) * row];
         let input = BatchInput::Images {
             data: &data,
@@ -213,7 +357,42 @@ fn warm_up(engine: &mut dyn Engine, ctx: &InstanceContext, sizes: &[usize]) -> R
                 },
             )
             .map_err(|e| format!("warm-up with batch {n}: {e}"))?;
-        tracing::debug!(model = ctx.model, instance = %ctx.id, batch = n, ms = t.elapsed().as_millis() as u64, "warm-up");
+        Ok(t.elapsed().as_secs_f64())
+    };
+    // The profiling executor specializes on its first two calls.
+    run(1)?;
+    run(1)?;
+    let candidates = match choice {
+        BatchSizeChoice::Pinned(n) => {
+            run(*n)?;
+            return Ok(*n);
+        }
+        BatchSizeChoice::Tune(c) => c,
+    };
+    let mut table = Vec::new();
+    let mut best = (candidates[0], f64::INFINITY);
+    let mut worse_in_a_row = 0;
+    for &n in candidates {
+        run(n)?; // first run of this shape
+        let per_image = run(n)?.min(run(n)?) / n as f64;
+        table.push(format!("{n}:{:.1}ms", per_image * 1e3));
+        if per_image < best.1 {
+            best = (n, per_image);
+            worse_in_a_row = 0;
+        } else {
+            worse_in_a_row += 1;
+            // Per-image cost only keeps growing past this point on this device.
+            if worse_in_a_row == 2 {
+                break;
+            }
+        }
     }
-    Ok(())
+    tracing::info!(
+        model = ctx.model,
+        instance = %ctx.id,
+        per_image = %table.join(" "),
+        chosen = best.0,
+        "batch size measured"
+    );
+    Ok(best.0)
 }

@@ -2,19 +2,27 @@
 //! idle, runs the batch it is given and answers each job's rows.
 use std::panic::AssertUnwindSafe;
 
+use std::sync::Arc;
+
+use ndarray::Array4;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Batch, RowOutput, SchedulerError};
 use crate::domain::InstanceId;
-use crate::engine::{BatchInput, Engine, OutputRequest};
+use crate::engine::{BatchInput, ComputeTimings, Engine, OutputRequest};
+use crate::telemetry::{micros, Metrics};
 
 /// An idle instance's offer: the batcher sends the next batch through it.
 pub(super) struct Slot {
     pub batches: oneshot::Sender<Batch>,
+    /// This instance's best batch size (measured at warm-up on its device).
+    pub target: usize,
 }
 
 pub(super) struct InstanceContext {
     pub model: String,
+    pub version: String,
+    pub metrics: Arc<Metrics>,
     pub id: InstanceId,
     pub height: usize,
     pub width: usize,
@@ -25,11 +33,18 @@ pub(super) struct InstanceContext {
 pub(super) fn instance_loop(
     ctx: InstanceContext,
     mut engine: Box<dyn Engine>,
+    target: usize,
     slots: mpsc::Sender<Slot>,
 ) {
     loop {
         let (tx, rx) = oneshot::channel();
-        if slots.blocking_send(Slot { batches: tx }).is_err() {
+        if slots
+            .blocking_send(Slot {
+                batches: tx,
+                target,
+            })
+            .is_err()
+        {
             break;
         }
         let Ok(batch) = rx.blocking_recv() else {
@@ -44,8 +59,19 @@ pub(super) fn instance_loop(
 
 /// Returns false if the engine panicked.
 fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bool {
-    let row_len = ctx.height * ctx.width * 3;
-    let mut data = Vec::with_capacity(batch.rows() * row_len);
+    let fail = |message: String| {
+        tracing::error!(model = ctx.model, instance = %ctx.id, %message, "batch failed");
+        for (job, _) in &batch.parts {
+            job.fail(SchedulerError::Execution {
+                model: ctx.model.clone(),
+                message: message.clone(),
+            });
+        }
+    };
+    // Rows of this batch come from one or more requests (merged) or are a range of a larger
+    // one (split), so the contiguous [N, H, W, C] batch buffer is assembled here, one row
+    // copy each, and reaches libtorch as a single slice.
+    let mut data = Vec::with_capacity(batch.rows() * ctx.height * ctx.width * 3);
     let mut want = OutputRequest::default();
     let mut normalize = None;
     for (job, range) in &batch.parts {
@@ -58,24 +84,25 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
     let Some(normalize) = normalize else {
         return true;
     };
+    let images = match Array4::from_shape_vec((batch.rows(), ctx.height, ctx.width, 3), data) {
+        Ok(images) => images,
+        Err(e) => {
+            fail(format!("rows do not have the model's input size: {e}"));
+            return true;
+        }
+    };
     let input = BatchInput::Images {
-        data: &data,
+        data: images
+            .as_slice()
+            .expect("an array built from a Vec is contiguous"),
         height: ctx.height,
         width: ctx.width,
         normalize,
     };
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| engine.run(input, want)));
-    let fail = |message: String| {
-        tracing::error!(model = ctx.model, instance = %ctx.id, %message, "batch failed");
-        for (job, _) in &batch.parts {
-            job.fail(SchedulerError::Execution {
-                model: ctx.model.clone(),
-                message: message.clone(),
-            });
-        }
-    };
     match result {
         Ok(Ok(mut out)) => {
+            record_execution(ctx, &batch, &out.timings);
             let mut top_k = std::mem::take(&mut out.top_k).into_iter();
             let logits = out.logits.take();
             let mut offset = 0;
@@ -110,4 +137,30 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
             false
         }
     }
+}
+
+/// Triton's counters for one executed batch; compute durations count once per request in
+/// the batch, as Triton accounts them.
+fn record_execution(ctx: &InstanceContext, batch: &Batch, t: &ComputeTimings) {
+    let m = &ctx.metrics;
+    let mv = [ctx.model.as_str(), ctx.version.as_str()];
+    let rows = batch.rows();
+    let requests = batch.parts.len() as u64;
+    m.exec_count.with_label_values(&mv).inc();
+    m.inference_count.with_label_values(&mv).inc_by(rows as u64);
+    m.batch_size
+        .with_label_values(&[mv[0]])
+        .observe(rows as f64);
+    m.instance_executions
+        .with_label_values(&[mv[0], &ctx.id.to_string()])
+        .inc();
+    m.compute_input_duration_us
+        .with_label_values(&mv)
+        .inc_by(micros(t.input) * requests);
+    m.compute_infer_duration_us
+        .with_label_values(&mv)
+        .inc_by(micros(t.infer) * requests);
+    m.compute_output_duration_us
+        .with_label_values(&mv)
+        .inc_by(micros(t.output) * requests);
 }

@@ -16,7 +16,10 @@ use std::time::Instant;
 
 use tokio::sync::oneshot;
 
-pub use handle::{start_model, EngineFactory, ModelHandle, ModelSettings, ModelState};
+pub use handle::{
+    start_model, Admission, BatchSizeChoice, EngineFactory, ModelHandle, ModelSettings, ModelState,
+    PendingRows,
+};
 pub use policy::BatchPolicy;
 
 use crate::domain::{ClassScore, Normalize};
@@ -128,6 +131,14 @@ impl JobState {
             let _ = reply.send(Err(error));
         }
     }
+}
+
+/// A job admitted into a model's queue. The permit is one of `max_queue_size`, shared by
+/// the jobs of one request and held until their last rows leave the queue, so admission
+/// bounds the requests waiting in the batcher, not just those in the channel.
+pub(crate) struct Admitted {
+    pub job: Arc<JobState>,
+    pub permit: Arc<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// Row ranges of one or more jobs, run together on one instance.

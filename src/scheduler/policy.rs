@@ -1,11 +1,10 @@
-//! Batching decisions as a pure function of (pending rows, now, policy).
+//! Batching decisions as a pure function of (pending rows, now, policy, the idle
+//! instance's target batch size).
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct BatchPolicy {
     pub max_batch_size: usize,
-    /// Ascending. Empty: batches grow to `max_batch_size`.
-    pub preferred_batch_sizes: Vec<usize>,
     pub max_queue_delay: Duration,
     /// `dynamic_batching` present: rows of different requests may share a batch.
     pub merge_requests: bool,
@@ -22,13 +21,15 @@ pub enum Decision {
 }
 
 /// What to do with `pending_rows` rows (the oldest enqueued at `oldest`, the first job
-/// having `head_rows` rows not yet cut) when an instance is idle.
+/// having `head_rows` rows not yet cut) for an idle instance whose best batch size is
+/// `target`: a full target batch goes at once; fewer rows wait up to the queue delay.
 pub fn decide(
     pending_rows: usize,
     head_rows: usize,
     oldest: Option<Instant>,
     now: Instant,
     policy: &BatchPolicy,
+    target: usize,
 ) -> Decision {
     let Some(oldest) = oldest.filter(|_| pending_rows > 0) else {
         return Decision::Idle;
@@ -38,21 +39,13 @@ pub fn decide(
         // Without dynamic batching each request runs alone (cut to max_batch_size).
         return Decision::Cut(head_rows.clamp(1, max));
     }
-    let available = pending_rows.min(max);
-    if let Some(&preferred) = policy
-        .preferred_batch_sizes
-        .iter()
-        .rev()
-        .find(|&&p| p <= available)
-    {
-        return Decision::Cut(preferred);
-    }
-    if policy.preferred_batch_sizes.is_empty() && available == max {
-        return Decision::Cut(max);
+    let target = target.clamp(1, max);
+    if pending_rows >= target {
+        return Decision::Cut(target);
     }
     let deadline = oldest + policy.max_queue_delay;
     if now >= deadline {
-        Decision::Cut(available)
+        Decision::Cut(pending_rows)
     } else {
         Decision::Wait(deadline)
     }
@@ -62,10 +55,9 @@ pub fn decide(
 mod tests {
     use super::*;
 
-    fn policy(preferred: &[usize]) -> BatchPolicy {
+    fn policy() -> BatchPolicy {
         BatchPolicy {
             max_batch_size: 32,
-            preferred_batch_sizes: preferred.to_vec(),
             max_queue_delay: Duration::from_millis(2),
             merge_requests: true,
         }
@@ -74,41 +66,39 @@ mod tests {
     #[test]
     fn nothing_pending_is_idle() {
         let now = Instant::now();
-        assert_eq!(decide(0, 0, None, now, &policy(&[])), Decision::Idle);
+        assert_eq!(decide(0, 0, None, now, &policy(), 8), Decision::Idle);
     }
 
     #[test]
-    fn the_largest_preferred_size_that_fits_is_cut_at_once() {
+    fn a_full_target_batch_is_cut_at_once() {
         let now = Instant::now();
-        let p = policy(&[4, 8, 16]);
-        assert_eq!(decide(1000, 1000, Some(now), now, &p), Decision::Cut(16));
-        assert_eq!(decide(9, 3, Some(now), now, &p), Decision::Cut(8));
-        assert_eq!(decide(5, 5, Some(now), now, &p), Decision::Cut(4));
+        assert_eq!(
+            decide(1000, 1000, Some(now), now, &policy(), 16),
+            Decision::Cut(16)
+        );
+        assert_eq!(decide(9, 3, Some(now), now, &policy(), 8), Decision::Cut(8));
+        assert_eq!(decide(5, 5, Some(now), now, &policy(), 1), Decision::Cut(1));
+    }
+
+    #[test]
+    fn the_target_never_exceeds_max_batch_size() {
+        let now = Instant::now();
+        assert_eq!(
+            decide(100, 100, Some(now), now, &policy(), 500),
+            Decision::Cut(32)
+        );
     }
 
     #[test]
     fn fewer_rows_wait_for_the_queue_delay_then_go() {
         let t0 = Instant::now();
-        let p = policy(&[4, 8]);
+        let p = policy();
         assert_eq!(
-            decide(3, 3, Some(t0), t0, &p),
+            decide(3, 3, Some(t0), t0, &p, 8),
             Decision::Wait(t0 + Duration::from_millis(2))
         );
         let later = t0 + Duration::from_millis(3);
-        assert_eq!(decide(3, 3, Some(t0), later, &p), Decision::Cut(3));
-    }
-
-    #[test]
-    fn without_preferred_sizes_a_full_batch_goes_at_once() {
-        let t0 = Instant::now();
-        assert_eq!(
-            decide(40, 40, Some(t0), t0, &policy(&[])),
-            Decision::Cut(32)
-        );
-        assert!(matches!(
-            decide(31, 31, Some(t0), t0, &policy(&[])),
-            Decision::Wait(_)
-        ));
+        assert_eq!(decide(3, 3, Some(t0), later, &p, 8), Decision::Cut(3));
     }
 
     #[test]
@@ -116,9 +106,9 @@ mod tests {
         let t0 = Instant::now();
         let p = BatchPolicy {
             merge_requests: false,
-            ..policy(&[])
+            ..policy()
         };
-        assert_eq!(decide(10, 3, Some(t0), t0, &p), Decision::Cut(3));
-        assert_eq!(decide(100, 100, Some(t0), t0, &p), Decision::Cut(32));
+        assert_eq!(decide(10, 3, Some(t0), t0, &p, 8), Decision::Cut(3));
+        assert_eq!(decide(100, 100, Some(t0), t0, &p, 8), Decision::Cut(32));
     }
 }

@@ -114,3 +114,95 @@ pub fn photos(dir: &str) -> Vec<(String, Vec<u8>)> {
 
 /// ImageNet cat classes (tabby, tiger cat, Persian, Siamese, Egyptian cat).
 pub const CAT_CLASSES: [u64; 5] = [281, 282, 283, 284, 285];
+
+impl TestGateway {
+    /// The fake engine (deterministic, `latency` per batch) on `config`'s repository.
+    pub async fn start_fake(config: Config, latency: Duration) -> TestGateway {
+        Self::start_with(
+            config,
+            EngineChoice::Fake {
+                num_classes: 1000,
+                latency,
+            },
+        )
+        .await
+    }
+
+    /// GET /metrics from the metrics port.
+    pub async fn metrics_text(&self) -> String {
+        let addr = self.gateway.as_ref().unwrap().metrics_addr;
+        self.client
+            .get(format!("http://{addr}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
+    /// Sum of the samples of `name` whose labels contain every `labels` fragment.
+    pub async fn metric(&self, name: &str, labels: &[&str]) -> f64 {
+        metric_sum(&self.metrics_text().await, name, labels)
+    }
+}
+
+pub fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            let series = l.split_whitespace().next().unwrap_or("");
+            let metric = series.split('{').next().unwrap_or("");
+            metric == name && labels.iter().all(|f| series.contains(f))
+        })
+        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A copy of the bundled repository in a fresh temp dir (model.pt linked, not copied),
+/// with `edit(model, config_text)` applied to each config.pbtxt.
+pub fn temp_repository(tag: &str, edit: impl Fn(&str, &str) -> String) -> PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("models");
+    let dst = std::env::temp_dir().join(format!("vg-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dst);
+    for model in ["classifier", "preprocessor", "ensemble_model"] {
+        let from = src.join(model);
+        let to = dst.join(model);
+        std::fs::create_dir_all(to.join("1")).unwrap();
+        let text = std::fs::read_to_string(from.join("config.pbtxt")).unwrap();
+        std::fs::write(to.join("config.pbtxt"), edit(model, &text)).unwrap();
+        if from.join("labels.txt").exists() {
+            std::fs::copy(from.join("labels.txt"), to.join("labels.txt")).unwrap();
+        }
+        if from.join("1/model.pt").exists() {
+            std::os::unix::fs::symlink(from.join("1/model.pt"), to.join("1/model.pt")).unwrap();
+        }
+    }
+    dst
+}
+
+/// Replaces the classifier's preferred batch sizes (`[ 8 ]` pins 8).
+pub fn with_preferred(model: &str, text: &str, preferred: &str) -> String {
+    if model != "classifier" {
+        return text.to_string();
+    }
+    let start = text
+        .find("preferred_batch_size:")
+        .expect("classifier has preferred sizes");
+    let end = start + text[start..].find(']').unwrap() + 1;
+    format!(
+        "{}preferred_batch_size: {preferred}{}",
+        &text[..start],
+        &text[end..]
+    )
+}
+
+/// A 32x32 PNG of one colour; the fake engine classifies it as `red`.
+pub fn solid_png(red: u8) -> Vec<u8> {
+    let img = image::RgbImage::from_pixel(32, 32, image::Rgb([red, 100, 50]));
+    let mut out = std::io::Cursor::new(Vec::new());
+    image::DynamicImage::ImageRgb8(img)
+        .write_to(&mut out, image::ImageFormat::Png)
+        .unwrap();
+    out.into_inner()
+}

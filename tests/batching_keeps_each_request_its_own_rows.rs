@@ -1,0 +1,107 @@
+//! Dynamic batching merges concurrent requests and splits large ones without mixing rows.
+mod common;
+
+use std::time::Duration;
+
+use common::{photos, solid_png, temp_repository, with_preferred, TestGateway};
+use futures::future::join_all;
+use visiongate::config::Config;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn thirty_two_concurrent_requests_share_batches_and_keep_their_own_answers() {
+    let mut config = Config::for_tests();
+    config.model_repository = temp_repository("share", |m, t| {
+        with_preferred(m, t, "[ 8 ]").replace(
+            "max_queue_delay_microseconds: 2000",
+            "max_queue_delay_microseconds: 20000",
+        )
+    });
+    let gw = TestGateway::start_fake(config, Duration::from_millis(30)).await;
+    // (the fake's latency also applies to warm-up, so its batch size is pinned)
+    let reds: Vec<u8> = (0..32u8).map(|i| i * 7 + 3).collect();
+    let replies = join_all(reds.iter().map(|&red| {
+        let gw = &gw;
+        async move {
+            gw.predict("?top_k=1", &[(format!("{red}.png"), solid_png(red))])
+                .await
+        }
+    }))
+    .await;
+    for (red, reply) in reds.iter().zip(&replies) {
+        assert_eq!(reply.status, 200, "{}", reply.json);
+        assert_eq!(
+            reply.results()[0]["class_id"],
+            *red as u64,
+            "request {red} got another's row"
+        );
+    }
+    let batches = gw.metric("visiongate_batch_size_count", &[]).await;
+    let rows = gw.metric("visiongate_batch_size_sum", &[]).await;
+    assert_eq!(rows, 32.0);
+    assert!(
+        batches < 32.0,
+        "requests were not batched: {batches} batches for 32 rows"
+    );
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_large_request_is_split_over_both_instances_in_upload_order() {
+    let mut config = Config::for_tests();
+    config.model_repository = temp_repository("split", |m, t| with_preferred(m, t, "[ 4 ]"));
+    let gw = TestGateway::start_fake(config, Duration::from_millis(10)).await;
+    let files: Vec<_> = (0..100u8)
+        .map(|i| (format!("{i}.png"), solid_png(i)))
+        .collect();
+    let reply = gw.predict("?top_k=1", &files).await;
+    assert_eq!(reply.status, 200);
+    for (i, r) in reply.results().iter().enumerate() {
+        assert_eq!(r["class_id"], i as u64, "row {i}");
+    }
+    for instance in ["cpu/0", "cpu/1"] {
+        let n = gw
+            .metric(
+                "visiongate_instance_executions_total",
+                &[&format!("instance=\"{instance}\"")],
+            )
+            .await;
+        assert!(n > 0.0, "instance {instance} ran nothing");
+    }
+    assert_eq!(
+        gw.metric("nv_inference_count", &["model=\"classifier\""])
+            .await,
+        100.0
+    );
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_real_model_gives_the_same_answer_alone_and_inside_a_batch() {
+    let mut config = Config::for_tests();
+    config.model_repository = temp_repository("same", |m, t| with_preferred(m, t, "[ 8 ]"));
+    let gw = TestGateway::start(config).await;
+    let files: Vec<_> = photos("small").into_iter().take(8).collect();
+    let batched = gw.predict("", &files).await;
+    assert_eq!(gw.metric("visiongate_batch_size_sum", &[]).await, 8.0);
+    assert_eq!(
+        gw.metric("visiongate_batch_size_count", &[]).await,
+        1.0,
+        "8 rows ran as one batch"
+    );
+    for (file, in_batch) in files.iter().zip(batched.results()) {
+        let alone = gw.predict("", std::slice::from_ref(file)).await;
+        let alone = &alone.results()[0];
+        assert_eq!(alone["class_id"], in_batch["class_id"], "{}", file.0);
+        for (a, b) in alone["top_k"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(in_batch["top_k"].as_array().unwrap())
+        {
+            assert_eq!(a["class_id"], b["class_id"]);
+            let (x, y) = (a["score"].as_f64().unwrap(), b["score"].as_f64().unwrap());
+            assert!((x - y).abs() < 1e-4, "{}: {x} alone vs {y} batched", file.0);
+        }
+    }
+    gw.stop().await;
+}
