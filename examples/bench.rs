@@ -1,17 +1,17 @@
 //! Benchmarks, all in one run (figures, not assertions):
 //!   1. model-only forward throughput on preprocessed f32 tensors (batch sizes × layouts)
 //!   2. decode + resize throughput on the test photos (small / medium / large, 1 and N threads)
-//!   3. `/predict` throughput for one request of 1000 photos (the small photos repeated)
+//!   3. the real server binary: (b) one `/predict` request of 1000 photos (the small photos
+//!      repeated) and its peak RSS, (d) single-image requests at concurrency 1, 8 and 32,
+//!      (c) the same 1000-photo request handled naively (one batch, one instance)
 //!
 //! `make bench` (or `cargo run --release --example bench -- [--images 1000]`).
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use visiongate::config::Config;
 use visiongate::engine::{BatchInput, Engine, OutputRequest, TorchEngine};
 use visiongate::preprocess::{decode_into, PreprocessSettings};
-use visiongate::{EngineChoice, Gateway};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -144,46 +144,271 @@ async fn main() {
         println!("   {dir:<7} 448: {}   224: {}", cells[0], cells[1]);
     }
 
-    println!(
-        "\n3. POST /predict, one request of {images} photos (small photos repeated), real server"
-    );
-    let mut config = Config::for_tests();
-    config.model_repository = root().join("models");
-    let gw = Gateway::start(config.validate().unwrap(), EngineChoice::Torch)
-        .await
-        .unwrap();
-    assert!(gw.wait_ready().await.is_empty());
     let small = photos("small");
+    let server = Server::start(&[]).await;
+    println!(
+        "\n3b. POST /predict, one request of {images} photos (small photos repeated), tuned server"
+    );
+    let (rate, secs) = one_big_request(&server, &small, images).await;
+    println!("   {secs:.2} s, {rate:.1} images/s = {:.2}x the best model-only figure ({best:.1} images/s)", rate / best);
+    println!("   server peak RSS: {:.0} MiB", server.peak_rss_mib());
+    println!("\n3d. single-image requests (one small photo each)");
+    println!(
+        "   {:>11} {:>9} {:>9} {:>9}",
+        "concurrency", "req/s", "p50 ms", "p99 ms"
+    );
+    for (concurrency, total) in [(1, 40), (8, 160), (32, 320)] {
+        let (rps, p50, p99) = single_image_load(&server, &small, concurrency, total).await;
+        println!("   {concurrency:>11} {rps:>9.1} {p50:>9.1} {p99:>9.1}");
+    }
+    println!(
+        "   server peak RSS after all of it: {:.0} MiB",
+        server.peak_rss_mib()
+    );
+    print!("{}", server.metrics_summary().await);
+    drop(server);
+
+    // The naive way: the whole upload as one batch on one instance with libtorch's default
+    // threads (what the seed pipeline does with a 1000-image upload).
+    let naive_repo = naive_repository(images);
+    let server = Server::start(&[
+        "--model-repository",
+        naive_repo.to_str().unwrap(),
+        "--intra-op-threads",
+        &cores.to_string(),
+    ])
+    .await;
+    println!("\n3c. the same request handled naively (one batch of {images}, one instance, {cores} threads)");
+    let (naive, secs) = one_big_request(&server, &small, images).await;
+    println!(
+        "   {secs:.2} s, {naive:.1} images/s; visiongate is {:.2}x faster",
+        rate / naive
+    );
+    println!("   naive server peak RSS: {:.0} MiB", server.peak_rss_mib());
+}
+
+/// The real server binary on a free port, stopped on drop.
+struct Server {
+    child: std::process::Child,
+    base: String,
+    metrics: String,
+    client: reqwest::Client,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl Server {
+    async fn start(args: &[&str]) -> Server {
+        let bin = std::env::var("VISIONGATE_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|_| {
+                std::env::current_exe()
+                    .unwrap()
+                    .parent()
+                    .unwrap()
+                    .parent()
+                    .unwrap()
+                    .join("visiongate")
+            });
+        let (port, metrics_port) = (free_port(), free_port());
+        let repo = root().join("models");
+        let mut cmd = std::process::Command::new(&bin);
+        cmd.args([
+            "--host",
+            "127.0.0.1",
+            "--http-port",
+            &port.to_string(),
+            "--metrics-port",
+            &metrics_port.to_string(),
+        ])
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+        if !args.contains(&"--model-repository") {
+            cmd.args(["--model-repository", repo.to_str().unwrap()]);
+        }
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
+        let server = Server {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+            metrics: format!("http://127.0.0.1:{metrics_port}/metrics"),
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(3600))
+                .build()
+                .unwrap(),
+        };
+        // Up to 10 minutes: the naive server warms up with one batch of the whole upload.
+        for _ in 0..6000 {
+            if let Ok(r) = server
+                .client
+                .get(format!("{}/v2/health/ready", server.base))
+                .send()
+                .await
+            {
+                if r.status().is_success() {
+                    return server;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("server did not become ready");
+    }
+
+    fn peak_rss_mib(&self) -> f64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
+        status
+            .lines()
+            .find(|l| l.starts_with("VmHWM:"))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+            .map_or(f64::NAN, |kb| kb / 1024.0)
+    }
+
+    async fn metrics_summary(&self) -> String {
+        let text = self
+            .client
+            .get(&self.metrics)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let pick = |prefix: &str| -> String {
+            text.lines()
+                .filter(|l| l.starts_with(prefix))
+                .map(|l| format!("   {l}\n"))
+                .collect()
+        };
+        format!(
+            "   metrics:\n{}{}{}{}",
+            pick("nv_inference_exec_count"),
+            pick("nv_inference_count"),
+            pick("visiongate_instance_executions_total"),
+            pick("visiongate_batch_size_sum")
+        )
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn one_big_request(server: &Server, small: &[Vec<u8>], images: usize) -> (f64, f64) {
     let mut form = reqwest::multipart::Form::new();
     for i in 0..images {
-        form = form.part(
-            "files",
-            reqwest::multipart::Part::bytes(small[i % small.len()].clone())
-                .file_name(format!("{i}.jpg")),
-        );
+        let part = reqwest::multipart::Part::bytes(small[i % small.len()].clone())
+            .file_name(format!("{i}.jpg"));
+        form = form.part("files", part);
     }
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(3600))
-        .build()
-        .unwrap();
     let t = Instant::now();
-    let resp = client
-        .post(format!("http://{}/predict?top_k=1", gw.http_addr))
+    let resp = server
+        .client
+        .post(format!("{}/predict?top_k=1", server.base))
         .multipart(form)
         .send()
         .await
         .unwrap();
-    let status = resp.status();
+    assert!(resp.status().is_success(), "status {}", resp.status());
     let body: serde_json::Value = resp.json().await.unwrap();
     let secs = t.elapsed().as_secs_f64();
     let ok = body["results"]
         .as_array()
         .map_or(0, |r| r.iter().filter(|x| x.get("label").is_some()).count());
-    let rate = images as f64 / secs;
-    println!("   status {status}, {ok}/{images} labelled, {secs:.2} s, {rate:.1} images/s");
-    println!(
-        "   = {:.2}x the best model-only figure ({best:.1} images/s)",
-        rate / best
-    );
-    gw.stop().await;
+    assert_eq!(ok, images, "every photo labelled");
+    (images as f64 / secs, secs)
+}
+
+/// `total` single-photo requests from `concurrency` clients: (req/s, p50 ms, p99 ms).
+async fn single_image_load(
+    server: &Server,
+    small: &[Vec<u8>],
+    concurrency: usize,
+    total: usize,
+) -> (f64, f64, f64) {
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let t = Instant::now();
+    let workers: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let next = next.clone();
+            let client = server.client.clone();
+            let url = format!("{}/predict?top_k=1", server.base);
+            let small = small.to_vec();
+            tokio::spawn(async move {
+                let mut latencies = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= total {
+                        break;
+                    }
+                    let part = reqwest::multipart::Part::bytes(small[i % small.len()].clone())
+                        .file_name("a.jpg");
+                    let form = reqwest::multipart::Form::new().part("files", part);
+                    let start = Instant::now();
+                    let r = client.post(&url).multipart(form).send().await.unwrap();
+                    assert!(r.status().is_success(), "status {}", r.status());
+                    let _ = r.bytes().await.unwrap();
+                    latencies.push(start.elapsed().as_secs_f64() * 1e3);
+                }
+                latencies
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for w in workers {
+        all.extend(w.await.unwrap());
+    }
+    let secs = t.elapsed().as_secs_f64();
+    all.sort_by(f64::total_cmp);
+    let pct = |p: f64| all[((all.len() as f64 * p) as usize).min(all.len() - 1)];
+    (total as f64 / secs, pct(0.5), pct(0.99))
+}
+
+/// The bundled repository with the classifier run the naive way: one instance, one batch
+/// of the whole upload.
+fn naive_repository(images: usize) -> PathBuf {
+    let src = root().join("models");
+    let dst = std::env::temp_dir().join(format!("visiongate-bench-naive-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dst);
+    for model in ["classifier", "preprocessor", "ensemble_model"] {
+        std::fs::create_dir_all(dst.join(model).join("1")).unwrap();
+        let mut text = std::fs::read_to_string(src.join(model).join("config.pbtxt")).unwrap();
+        text = text.replace("max_batch_size: 64", &format!("max_batch_size: {images}"));
+        if model == "classifier" {
+            std::fs::copy(
+                src.join(model).join("labels.txt"),
+                dst.join(model).join("labels.txt"),
+            )
+            .unwrap();
+            std::os::unix::fs::symlink(
+                src.join(model).join("1/model.pt"),
+                dst.join(model).join("1/model.pt"),
+            )
+            .unwrap();
+            text = text.replace("count: 2", "count: 1").replace(
+                "max_queue_delay_microseconds: 2000",
+                "max_queue_delay_microseconds: 60000000",
+            );
+            let start = text.find("preferred_batch_size:").unwrap();
+            let end = start + text[start..].find(']').unwrap() + 1;
+            text = format!(
+                "{}preferred_batch_size: [ {images} ]{}",
+                &text[..start],
+                &text[end..]
+            );
+        }
+        std::fs::write(dst.join(model).join("config.pbtxt"), text).unwrap();
+    }
+    dst
 }
