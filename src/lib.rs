@@ -191,6 +191,11 @@ impl Gateway {
         self.server.stop(true).await;
         let _ = self.task.await;
         self.metrics_server.stop(true).await;
+        for model in self.state.models.values() {
+            if let ServedModel::Classifier { handle, .. } = model {
+                handle.shutdown().await;
+            }
+        }
     }
 }
 

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio_util::sync::CancellationToken;
 
 use super::instance::Slot;
 use super::policy::{decide, BatchPolicy, Decision};
@@ -102,6 +103,7 @@ pub(super) async fn run_batcher(
     mut jobs: mpsc::Receiver<Admitted>,
     mut slots: mpsc::Receiver<Slot>,
     policy: BatchPolicy,
+    stop: CancellationToken,
 ) {
     let model = labels.model.clone();
     let mv = [labels.model.as_str(), labels.version.as_str()];
@@ -171,6 +173,12 @@ pub(super) async fn run_batcher(
                 None => jobs_open = false,
             },
             _ = sleep => {}
+            _ = stop.cancelled() => {
+                for p in queue.jobs.drain(..) {
+                    p.job.fail(SchedulerError::NotReady(model.clone()));
+                }
+                break;
+            }
         }
     }
     tracing::debug!(model, "batcher stopped");

@@ -1,9 +1,10 @@
 //! `ModelHandle`: admission into a model's queue, and the start-up of its batcher and
 //! instance threads.
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
 
 use super::batcher::{run_batcher, BatcherLabels};
 use super::instance::{instance_loop, InstanceContext, Slot};
@@ -55,6 +56,11 @@ struct Inner {
     /// One permit per queue place (`max_queue_size`).
     queue_places: Arc<Semaphore>,
     state: watch::Receiver<ModelState>,
+    /// Stops the batcher, which ends the instance threads.
+    stop: CancellationToken,
+    /// The instance threads, joined on shutdown so no libtorch module outlives the gateway
+    /// (a module still being torn down while the process exits can crash it).
+    threads: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 /// Cheap to clone; every transport calls the same handle.
@@ -88,6 +94,26 @@ impl ModelHandle {
             .await
             .map(|s| s.clone());
         state.unwrap_or_else(|_| ModelState::Failed("model stopped while loading".into()))
+    }
+
+    /// Stops the model: the batcher ends (queued jobs are answered `NotReady`), each
+    /// instance finishes its batch and its thread is joined. Call after the transports
+    /// stopped taking requests.
+    pub async fn shutdown(&self) {
+        self.inner.stop.cancel();
+        let threads =
+            std::mem::take(&mut *self.inner.threads.lock().unwrap_or_else(|p| p.into_inner()));
+        let joined = tokio::task::spawn_blocking(move || {
+            for t in threads {
+                let _ = t.join();
+            }
+        });
+        if tokio::time::timeout(Duration::from_secs(60), joined)
+            .await
+            .is_err()
+        {
+            tracing::warn!(model = %self.inner.name, "instance threads still busy after 60 s");
+        }
     }
 
     /// Takes one place in the model's queue, or refuses at once (`Overloaded` when the
@@ -235,6 +261,8 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
     let (state_tx, state_rx) = watch::channel(ModelState::Loading);
 
     let mut loaded = Vec::new();
+    let mut threads = Vec::new();
+    let stop = CancellationToken::new();
     for id in settings.instances.iter().copied() {
         let (done_tx, done_rx) = oneshot::channel::<Result<String, String>>();
         loaded.push((id, done_rx));
@@ -269,8 +297,9 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
                     }
                 }
             });
-        if let Err(e) = spawned {
-            tracing::error!(model = name, "cannot spawn an instance thread: {e}");
+        match spawned {
+            Ok(thread) => threads.push(thread),
+            Err(e) => tracing::error!(model = name, "cannot spawn an instance thread: {e}"),
         }
     }
     drop(slots_tx);
@@ -284,6 +313,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         jobs_rx,
         slots_rx,
         settings.policy.clone(),
+        stop.clone(),
     ));
     tokio::spawn(async move {
         let started = Instant::now();
@@ -316,6 +346,8 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
 
     ModelHandle {
         inner: Arc::new(Inner {
+            stop,
+            threads: std::sync::Mutex::new(threads),
             name: settings.name,
             version: settings.version,
             metrics: settings.metrics,
