@@ -52,4 +52,8 @@ async fn full_queue_answers_503_with_retry_after_at_once() {
             .await,
         3.0
     );
+    let gw = std::sync::Arc::try_unwrap(gw)
+        .ok()
+        .expect("every request task has ended");
+    gw.stop().await;
 }
