@@ -57,37 +57,20 @@ impl Gateway {
         let intra = cfg.intra_op_threads;
         let (factory, gpu_count): (EngineFactory, usize) = match engine {
             EngineChoice::Torch => {
-                let gpus = engine::cuda_device_count();
-                let files: Arc<std::collections::HashMap<String, std::path::PathBuf>> = Arc::new(
-                    scan.models
-                        .iter()
-                        .filter_map(|m| match &m.kind {
-                            repository::ModelKind::Classifier(c) => {
-                                Some((m.name.to_string(), c.model_file.clone()))
-                            }
-                            _ => None,
-                        })
-                        .collect(),
-                );
-                let factory: EngineFactory = Arc::new(move |id| {
-                    let model = std::thread::current()
-                        .name()
-                        .and_then(|n| n.split('/').next().map(str::to_string))
-                        .unwrap_or_default();
-                    let path = files.get(&model).cloned().unwrap_or_default();
+                let factory: EngineFactory = Arc::new(move |path, id| {
                     if id.gpu.is_none() {
                         // Per thread: libtorch's intra-op pool size is a thread-local setting.
                         tch::set_num_threads(intra as i32);
                     }
-                    Ok(Box::new(TorchEngine::load(&path, id.gpu)?) as Box<dyn Engine>)
+                    Ok(Box::new(TorchEngine::load(path, id.gpu)?) as Box<dyn Engine>)
                 });
-                (factory, gpus)
+                (factory, engine::cuda_device_count())
             }
             EngineChoice::Fake {
                 num_classes,
                 latency,
             } => {
-                let factory: EngineFactory = Arc::new(move |_| {
+                let factory: EngineFactory = Arc::new(move |_, _| {
                     Ok(Box::new(FakeEngine {
                         num_classes,
                         latency,

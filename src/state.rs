@@ -104,6 +104,7 @@ impl AppState {
                         name: m.name.clone(),
                         version: m.version,
                         instances,
+                        model_file: spec.model_file.clone(),
                         policy: BatchPolicy {
                             max_batch_size: spec.max_batch_size,
                             max_queue_delay: spec

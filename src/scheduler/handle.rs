@@ -15,13 +15,15 @@ use crate::telemetry::{micros, reason, Metrics};
 
 /// Builds the engine of one instance; called on that instance's own thread.
 pub type EngineFactory =
-    Arc<dyn Fn(InstanceId) -> Result<Box<dyn Engine>, EngineError> + Send + Sync>;
+    Arc<dyn Fn(&std::path::Path, InstanceId) -> Result<Box<dyn Engine>, EngineError> + Send + Sync>;
 
 #[derive(Debug, Clone)]
 pub struct ModelSettings {
     pub name: ModelName,
     pub version: ModelVersion,
     pub instances: Vec<InstanceId>,
+    /// The model file each instance loads.
+    pub model_file: std::path::PathBuf,
     pub policy: BatchPolicy,
     /// Jobs (requests) that may wait; one more is refused with `Overloaded`.
     pub queue_capacity: usize,
@@ -267,6 +269,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         let (done_tx, done_rx) = oneshot::channel::<Result<String, String>>();
         loaded.push((id, done_rx));
         let factory = factory.clone();
+        let model_file = settings.model_file.clone();
         let slots = slots_tx.clone();
         let ctx = InstanceContext {
             model: name.clone(),
@@ -280,7 +283,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         let spawned = std::thread::Builder::new()
             .name(format!("{name}/{id}"))
             .spawn(move || {
-                let engine = factory(id)
+                let engine = factory(&model_file, id)
                     .map_err(|e| e.to_string())
                     .and_then(|mut engine| {
                         let target = warm_up(engine.as_mut(), &ctx, &choice)?;
