@@ -73,6 +73,12 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_MAX_QUEUE_SIZE", default_value_t = 256)]
     pub max_queue_size: usize,
 
+    /// Response cache size in bytes, shared by the models whose config.pbtxt has
+    /// `response_cache { enable: true }` (Triton's `--cache-config local,size=...`).
+    /// An entry (one image's answer) takes about 200 bytes; least recently used leave first.
+    #[arg(long, env = "VISIONGATE_CACHE_SIZE", default_value_t = 64 << 20)]
+    pub cache_size: usize,
+
     /// Overrides the preprocessor's `dct_scaling_min_side` parameter: JPEGs decode at
     /// 1/2, 1/4 or 1/8 scale while their short side stays at or above it (0: full size).
     /// Lower is faster on large photos; higher is closer to a full-size decode.

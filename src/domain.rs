@@ -60,3 +60,23 @@ pub struct ClassScore {
     /// Softmax probability.
     pub score: f32,
 }
+
+/// What happens to a request still queued when its timeout passes (Triton's
+/// `ModelQueuePolicy.timeout_action`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TimeoutAction {
+    /// Answered with a deadline error.
+    Reject,
+    /// Kept, but runs only after every request that has not timed out.
+    Delay,
+}
+
+/// What a caller may ask of the queue for one request (Triton's `priority` and `timeout`
+/// request parameters).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RequestOptions {
+    /// 1 is the highest; 0 or a level the model does not have means its default level.
+    pub priority: u64,
+    /// Queue timeout; honoured only where the model allows overriding, and only shorter.
+    pub timeout: Option<std::time::Duration>,
+}

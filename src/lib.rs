@@ -87,6 +87,7 @@ impl Gateway {
                 metrics: Arc::new(telemetry::Metrics::new()),
                 gpu_count,
                 default_queue_size: cfg.max_queue_size,
+                cache_bytes: cfg.cache_size,
                 max_image_pixels: cfg.max_image_pixels,
                 dct_override: cfg.dct_scaling_min_side,
                 decode_threads: settings.decode_threads,
@@ -102,6 +103,7 @@ impl Gateway {
         let server = HttpServer::new(move || {
             App::new().configure(|c| http::configure(c, app_state.clone()))
         })
+        .on_connect(http::on_connect)
         .workers(settings.http_workers)
         .disable_signals()
         .shutdown_timeout(settings.shutdown_grace.as_secs())

@@ -7,7 +7,10 @@ use crate::domain::{InstanceId, ModelName, ModelVersion, Normalize};
 use crate::error::{ErrorKind, GatewayError};
 use crate::preprocess::{PreprocessPool, PreprocessSettings};
 use crate::repository::{ClassifierSpec, GroupKind, InstanceGroupSpec, ModelKind, RepositoryModel};
-use crate::scheduler::{BatchPolicy, BatchSizeChoice, EngineFactory, ModelHandle, ModelSettings};
+use crate::scheduler::{
+    BatchPolicy, BatchSizeChoice, EngineFactory, ModelHandle, ModelSettings, QueuePolicy,
+    ResponseCache,
+};
 use crate::telemetry::Metrics;
 
 /// Limits of a `/predict` request.
@@ -70,6 +73,8 @@ pub struct BuildOptions {
     pub metrics: Arc<Metrics>,
     pub gpu_count: usize,
     pub default_queue_size: usize,
+    /// Size of the response cache shared by the models that enable it.
+    pub cache_bytes: usize,
     pub max_image_pixels: u64,
     pub dct_override: Option<u32>,
     pub decode_threads: usize,
@@ -91,6 +96,8 @@ impl AppState {
         let repo: Vec<Arc<RepositoryModel>> = scan.models.into_iter().map(Arc::new).collect();
         let mut models = HashMap::new();
         let mut classifiers: HashMap<ModelName, (ModelHandle, ClassifierSpec)> = HashMap::new();
+        // One cache for every model that enables it, as Triton has one.
+        let cache = Arc::new(ResponseCache::new(opts.cache_bytes));
 
         for m in &repo {
             match &m.kind {
@@ -105,20 +112,8 @@ impl AppState {
                         version: m.version,
                         instances,
                         model_file: spec.model_file.clone(),
-                        policy: BatchPolicy {
-                            max_batch_size: spec.max_batch_size,
-                            max_queue_delay: spec
-                                .batching
-                                .as_ref()
-                                .map(|b| b.max_queue_delay)
-                                .unwrap_or_default(),
-                            merge_requests: spec.batching.is_some(),
-                        },
-                        queue_capacity: spec
-                            .batching
-                            .as_ref()
-                            .and_then(|b| b.max_queue_size)
-                            .unwrap_or(opts.default_queue_size),
+                        policy: batch_policy(spec, opts.default_queue_size),
+                        cache: spec.response_cache.then(|| cache.clone()),
                         height: spec.height,
                         width: spec.width,
                         batch_size: batch_size_choice(spec),
@@ -231,6 +226,30 @@ impl AppState {
     /// Ready: every loaded model is ready (failed ones are reported by their own status).
     pub fn is_ready(&self) -> bool {
         self.models.values().all(|m| m.is_ready())
+    }
+}
+
+/// The scheduler's policy from `dynamic_batching`: one queue per priority level, each with
+/// its own capacity (the config's `max_queue_size`, else `default_queue_size`) and timeouts.
+pub fn batch_policy(spec: &ClassifierSpec, default_queue_size: usize) -> BatchPolicy {
+    let Some(b) = &spec.batching else {
+        return BatchPolicy::single_queue(spec.max_batch_size, default_queue_size);
+    };
+    BatchPolicy {
+        max_batch_size: spec.max_batch_size,
+        max_queue_delay: b.max_queue_delay,
+        merge_requests: true,
+        queues: b
+            .queues
+            .iter()
+            .map(|q| QueuePolicy {
+                timeout_action: q.timeout_action,
+                default_timeout: q.default_timeout,
+                allow_timeout_override: q.allow_timeout_override,
+                capacity: q.max_queue_size.unwrap_or(default_queue_size),
+            })
+            .collect(),
+        default_level: b.default_level,
     }
 }
 

@@ -18,9 +18,9 @@ pub fn init() {
 
 /// Triton's `nv_inference_request_failure` reasons.
 pub mod reason {
-    /// Refused at admission (queue full).
+    /// Refused at admission (queue full), or timed out in the queue.
     pub const REJECTED: &str = "REJECTED";
-    /// The client went away before its rows ran.
+    /// The client went away before its answer.
     pub const CANCELED: &str = "CANCELED";
     /// The model (engine) failed.
     pub const BACKEND: &str = "BACKEND";
@@ -41,6 +41,8 @@ pub struct Metrics {
     pub compute_input_duration_us: IntCounterVec,
     pub compute_infer_duration_us: IntCounterVec,
     pub compute_output_duration_us: IntCounterVec,
+    pub cache_hits: IntCounterVec,
+    pub cache_misses: IntCounterVec,
     pub batch_size: HistogramVec,
     pub instance_executions: IntCounterVec,
     pub decode_seconds: Histogram,
@@ -99,6 +101,16 @@ impl Metrics {
             "Cumulative compute output duration in microseconds (softmax, top-k, copy to host)",
             MV,
         );
+        let cache_hits = counter(
+            "nv_cache_num_hits_per_model",
+            "Number of response cache hits per model (one per image answered from the cache)",
+            MV,
+        );
+        let cache_misses = counter(
+            "nv_cache_num_misses_per_model",
+            "Number of response cache misses per model (one per image the model had to run)",
+            MV,
+        );
         let instance_executions = counter(
             "visiongate_instance_executions_total",
             "Batches executed per model instance",
@@ -149,6 +161,8 @@ impl Metrics {
             compute_input_duration_us,
             compute_infer_duration_us,
             compute_output_duration_us,
+            cache_hits,
+            cache_misses,
             batch_size,
             instance_executions,
             decode_seconds,
@@ -167,6 +181,8 @@ impl Metrics {
         self.compute_input_duration_us.with_label_values(&mv);
         self.compute_infer_duration_us.with_label_values(&mv);
         self.compute_output_duration_us.with_label_values(&mv);
+        self.cache_hits.with_label_values(&mv);
+        self.cache_misses.with_label_values(&mv);
         for r in [
             reason::REJECTED,
             reason::CANCELED,

@@ -1,4 +1,5 @@
 //! HTTP (actix-web): routes, extractor error bodies, the upload page.
+mod client;
 mod health;
 mod predict;
 
@@ -7,6 +8,7 @@ use actix_web::{web, HttpResponse};
 use crate::error::{ErrorKind, GatewayError};
 use crate::state::AppState;
 
+pub use client::on_connect;
 pub use predict::{FileError, FileResult, PredictResponse, Prediction, Timing, TopK};
 
 /// Routes and extractor configs, shared by `main` and the tests.

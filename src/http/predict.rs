@@ -3,7 +3,7 @@
 //! Parts are read as a stream; each file goes to the decode pool as soon as its part is
 //! complete, so decoding overlaps the rest of the upload. A file that cannot be used gets
 //! an error entry and never changes the other files' results.
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use actix_multipart::Multipart;
 use actix_web::http::header;
@@ -13,6 +13,8 @@ use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
+use super::client;
+use crate::domain::RequestOptions;
 use crate::engine::OutputRequest;
 use crate::error::{ErrorKind, GatewayError};
 use crate::preprocess::{PreprocessError, Row};
@@ -30,6 +32,12 @@ pub struct PredictQuery {
     pub top_k: Option<usize>,
     /// Which image model (default `ensemble_model`).
     pub model: Option<String>,
+    /// Priority level, 1 the highest (Triton's `priority`); 0 or a level the model does
+    /// not have means its `default_priority_level`.
+    pub priority: Option<u64>,
+    /// Queue timeout in microseconds (Triton's `timeout`): honoured where the model's
+    /// queue policy has `allow_timeout_override`, and only to shorten its default.
+    pub timeout_us: Option<u64>,
 }
 
 #[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
@@ -105,6 +113,23 @@ pub async fn predict(
     query: web::Query<PredictQuery>,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
+    // A client that leaves drops its request here: its queued rows leave the queue and
+    // the request counts as CANCELED (see `Admission`).
+    tokio::select! {
+        answer = classify(req.clone(), payload, query, state) => answer,
+        () = client::gone(&req) => {
+            tracing::debug!("client closed the connection; request dropped");
+            Err(GatewayError::new(ErrorKind::NotReady, "the client closed the connection"))
+        }
+    }
+}
+
+async fn classify(
+    req: HttpRequest,
+    payload: web::Payload,
+    query: web::Query<PredictQuery>,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, GatewayError> {
     let started = Instant::now();
     let is_multipart = req
         .headers()
@@ -134,7 +159,10 @@ pub async fn predict(
     // One queue place for the whole request, taken before the upload is read: a full
     // queue answers 503 at once. Rows then enter the queue in chunks as their decode
     // finishes, so inference of the first images overlaps decoding and uploading the rest.
-    let mut admission = pipeline.classifier.admit()?;
+    let mut admission = pipeline.classifier.admit(RequestOptions {
+        priority: query.priority.unwrap_or(0),
+        timeout: query.timeout_us.map(Duration::from_micros),
+    })?;
     let want = OutputRequest {
         top_k,
         logits: false,

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 pub use parse::parse_model_config;
 pub use spec::{
     BatchingSpec, ClassifierSpec, EnsembleSpec, GroupKind, InstanceGroupSpec, ModelKind,
-    PreprocessorSpec, ResizeMode,
+    PreprocessorSpec, QueuePolicySpec, ResizeMode,
 };
 
 use crate::domain::{ModelName, ModelVersion};

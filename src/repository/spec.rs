@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::pb::{self, model_config::SchedulingChoice};
 use super::{LoadFailure, RepositoryError, ScanResult};
-use crate::domain::{ModelName, ModelVersion, Normalize};
+use crate::domain::{ModelName, ModelVersion, Normalize, TimeoutAction};
 
 /// Platform of TorchScript models, as Triton names it.
 pub const PLATFORM_LIBTORCH: &str = "pytorch_libtorch";
@@ -35,6 +35,8 @@ pub struct ClassifierSpec {
     pub instance_groups: Vec<InstanceGroupSpec>,
     /// `None`: no `dynamic_batching`, so requests run one by one (as in Triton).
     pub batching: Option<BatchingSpec>,
+    /// `response_cache { enable: true }`: rows seen before are answered from the cache.
+    pub response_cache: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +59,21 @@ pub struct InstanceGroupSpec {
 pub struct BatchingSpec {
     pub preferred_batch_sizes: Vec<usize>,
     pub max_queue_delay: Duration,
+    /// One queue policy per priority level, highest priority first (one level when the
+    /// config sets no `priority_levels`).
+    pub queues: Vec<QueuePolicySpec>,
+    /// Index into `queues` of the level a request without a priority gets.
+    pub default_level: usize,
+}
+
+/// Triton's `ModelQueuePolicy` for one priority level.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueuePolicySpec {
+    pub timeout_action: TimeoutAction,
+    /// `None`: requests wait without a limit unless they set their own (when allowed).
+    pub default_timeout: Option<Duration>,
+    /// A request may ask for a shorter timeout than the default (never a longer one).
+    pub allow_timeout_override: bool,
     /// `None`: no limit in the config; the `--max-queue-size` default applies.
     pub max_queue_size: Option<usize>,
 }
@@ -171,8 +188,14 @@ pub(super) fn model_kind(
         (PLATFORM_LIBTORCH, "" | "pytorch") | ("", "pytorch") => {
             classifier(dir, model, config, version).map(ModelKind::Classifier)
         }
-        (PLATFORM_ENSEMBLE, "") => ensemble(model, config).map(ModelKind::Ensemble),
-        ("", BACKEND_IMAGE) => preprocessor(model, config).map(ModelKind::Preprocessor),
+        (PLATFORM_ENSEMBLE, "") => {
+            refuse_response_cache(model, config)?;
+            ensemble(model, config).map(ModelKind::Ensemble)
+        }
+        ("", BACKEND_IMAGE) => {
+            refuse_response_cache(model, config)?;
+            preprocessor(model, config).map(ModelKind::Preprocessor)
+        }
         ("", "python") => Err(unsupported(
             model,
             "backend",
@@ -197,6 +220,19 @@ pub(super) fn model_kind(
             ),
         )),
     }
+}
+
+/// The cache keys on the preprocessed rows a classifier runs, so only classifiers have one.
+fn refuse_response_cache(model: &str, c: &pb::ModelConfig) -> Result<(), RepositoryError> {
+    if c.response_cache.as_ref().is_some_and(|r| r.enable) {
+        return Err(unsupported(
+            model,
+            "response_cache",
+            "enable it on the classifier step instead: it caches per preprocessed image, so \
+             an ensemble's repeated photos hit it there",
+        ));
+    }
+    Ok(())
 }
 
 /// Fields of `ModelConfig` that no model kind here honours: refuse rather than ignore.
@@ -236,9 +272,6 @@ fn reject_unsupported_common(model: &str, c: &pb::ModelConfig) -> Result<(), Rep
             "model_warmup",
             "remove it; visiongate warms every instance up with synthetic batches before ready",
         ));
-    }
-    if c.response_cache.as_ref().is_some_and(|r| r.enable) {
-        return Err(unsupported(model, "response_cache", remove));
     }
     if c.optimization.is_some() {
         return Err(unsupported(model, "optimization", remove));
@@ -371,6 +404,7 @@ fn classifier(
         labels,
         instance_groups: instance_groups(model, c)?,
         batching: batching(model, c)?,
+        response_cache: c.response_cache.as_ref().is_some_and(|r| r.enable),
     })
 }
 
@@ -485,31 +519,83 @@ fn batching(model: &str, c: &pb::ModelConfig) -> Result<Option<BatchingSpec>, Re
     }
     preferred.sort_unstable();
     preferred.dedup();
-    if d.priority_levels > 0 || !d.priority_queue_policy.is_empty() {
-        return Err(unsupported(
-            model,
-            "dynamic_batching.priority_levels",
-            "priorities are not implemented yet; remove them",
-        ));
-    }
-    let mut max_queue_size = None;
-    if let Some(q) = &d.default_queue_policy {
-        if q.default_timeout_microseconds > 0 || q.allow_timeout_override {
-            return Err(unsupported(
+    let levels = d.priority_levels as usize;
+    let default_policy = queue_policy(
+        model,
+        "dynamic_batching.default_queue_policy",
+        d.default_queue_policy.as_ref(),
+    )?;
+    let mut queues = vec![default_policy; levels.max(1)];
+    for (&level, policy) in &d.priority_queue_policy {
+        let field = format!("dynamic_batching.priority_queue_policy[{level}]");
+        if level < 1 || level as usize > levels {
+            return Err(invalid(
                 model,
-                "dynamic_batching.default_queue_policy (timeouts)",
-                "queue timeouts are not implemented yet; remove them",
+                &field,
+                format!("priority level {level} is outside 1..=priority_levels ({levels})"),
             ));
         }
-        if q.max_queue_size > 0 {
-            max_queue_size = Some(q.max_queue_size as usize);
-        }
+        queues[level as usize - 1] = queue_policy(model, &field, Some(policy))?;
     }
+    let default_level = if levels == 0 {
+        if d.default_priority_level != 0 {
+            return Err(invalid(
+                model,
+                "dynamic_batching.default_priority_level",
+                "set priority_levels too, or remove it",
+            ));
+        }
+        0
+    } else {
+        let level = d.default_priority_level as usize;
+        if level < 1 || level > levels {
+            return Err(invalid(
+                model,
+                "dynamic_batching.default_priority_level",
+                format!("must be within 1..=priority_levels ({levels}), got {level}"),
+            ));
+        }
+        level - 1
+    };
     Ok(Some(BatchingSpec {
         preferred_batch_sizes: preferred,
         max_queue_delay: Duration::from_micros(d.max_queue_delay_microseconds),
-        max_queue_size,
+        queues,
+        default_level,
     }))
+}
+
+fn queue_policy(
+    model: &str,
+    field: &str,
+    q: Option<&pb::ModelQueuePolicy>,
+) -> Result<QueuePolicySpec, RepositoryError> {
+    let Some(q) = q else {
+        return Ok(QueuePolicySpec {
+            timeout_action: TimeoutAction::Reject,
+            default_timeout: None,
+            allow_timeout_override: false,
+            max_queue_size: None,
+        });
+    };
+    let timeout_action = match pb::model_queue_policy::TimeoutAction::try_from(q.timeout_action) {
+        Ok(pb::model_queue_policy::TimeoutAction::Reject) => TimeoutAction::Reject,
+        Ok(pb::model_queue_policy::TimeoutAction::Delay) => TimeoutAction::Delay,
+        Err(_) => {
+            return Err(invalid(
+                model,
+                &format!("{field}.timeout_action"),
+                "must be REJECT or DELAY",
+            ))
+        }
+    };
+    Ok(QueuePolicySpec {
+        timeout_action,
+        default_timeout: (q.default_timeout_microseconds > 0)
+            .then(|| Duration::from_micros(q.default_timeout_microseconds)),
+        allow_timeout_override: q.allow_timeout_override,
+        max_queue_size: (q.max_queue_size > 0).then_some(q.max_queue_size as usize),
+    })
 }
 
 fn preprocessor(model: &str, c: &pb::ModelConfig) -> Result<PreprocessorSpec, RepositoryError> {
@@ -896,6 +982,88 @@ mod tests {
             "{}",
             msg("nofile")
         );
+    }
+
+    fn classifier_with(tag: &str, batching: &str) -> Result<ClassifierSpec, String> {
+        let root = temp_repo(tag);
+        let text = CLASSIFIER.replace(
+            "dynamic_batching { preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 500 }",
+            batching,
+        );
+        write(
+            &root,
+            "m/config.pbtxt",
+            &format!("{text}\nresponse_cache {{ enable: true }}"),
+        );
+        write(&root, "m/labels.txt", "a\nb\n");
+        write(&root, "m/1/model.pt", "x");
+        let mut r = scan(&root).unwrap();
+        match r.failures.pop() {
+            Some(f) => Err(f.error.to_string()),
+            None => match r.models.pop().unwrap().kind {
+                ModelKind::Classifier(c) => Ok(c),
+                other => panic!("not a classifier: {other:?}"),
+            },
+        }
+    }
+
+    #[test]
+    fn queue_policies_priorities_and_the_response_cache_are_read() {
+        let c = classifier_with(
+            "queues",
+            r#"dynamic_batching {
+                priority_levels: 2
+                default_priority_level: 2
+                default_queue_policy {
+                    timeout_action: DELAY
+                    default_timeout_microseconds: 5000
+                    allow_timeout_override: true
+                    max_queue_size: 4
+                }
+                priority_queue_policy { key: 1 value: { max_queue_size: 8 } }
+            }"#,
+        )
+        .unwrap();
+        assert!(c.response_cache);
+        let b = c.batching.unwrap();
+        assert_eq!(b.default_level, 1);
+        assert_eq!(
+            b.queues,
+            vec![
+                QueuePolicySpec {
+                    timeout_action: TimeoutAction::Reject,
+                    default_timeout: None,
+                    allow_timeout_override: false,
+                    max_queue_size: Some(8),
+                },
+                QueuePolicySpec {
+                    timeout_action: TimeoutAction::Delay,
+                    default_timeout: Some(Duration::from_micros(5000)),
+                    allow_timeout_override: true,
+                    max_queue_size: Some(4),
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn priority_settings_outside_the_levels_fail_with_the_field() {
+        let e = classifier_with(
+            "prio-key",
+            "dynamic_batching { priority_levels: 2 default_priority_level: 1 \
+             priority_queue_policy { key: 3 value: { max_queue_size: 8 } } }",
+        )
+        .unwrap_err();
+        assert!(e.contains("priority_queue_policy[3]"), "{e}");
+        let e =
+            classifier_with("prio-default", "dynamic_batching { priority_levels: 2 }").unwrap_err();
+        assert!(e.contains("default_priority_level"), "{e}");
+        let e = classifier_with(
+            "prio-none",
+            "dynamic_batching { default_priority_level: 1 }",
+        )
+        .unwrap_err();
+        assert!(e.contains("set priority_levels too"), "{e}");
     }
 
     #[test]

@@ -10,66 +10,164 @@ use tokio_util::sync::CancellationToken;
 use super::instance::Slot;
 use super::policy::{decide, BatchPolicy, Decision};
 use super::{Admitted, Batch, JobState, SchedulerError};
-use crate::telemetry::{micros, reason, Metrics};
+use crate::domain::TimeoutAction;
+use crate::telemetry::{micros, Metrics};
 
 /// A job waiting in the batcher, with how many of its rows were already cut.
 struct Pending {
     job: Arc<JobState>,
     next_row: usize,
+    /// When the job times out if none of its rows was cut by then.
+    deadline: Option<Instant>,
     /// Frees the request's queue place when its last job leaves the queue.
     _permit: Arc<OwnedSemaphorePermit>,
 }
 
-#[derive(Default)]
+impl Pending {
+    fn rows_left(&self) -> usize {
+        self.job.rows() - self.next_row
+    }
+}
+
+/// The pending jobs: one FIFO per priority level, highest first, and after them the jobs
+/// whose timeout passed under `DELAY`, which run only when nothing else waits.
 struct Queue {
-    jobs: VecDeque<Pending>,
+    levels: Vec<VecDeque<Pending>>,
     rows: usize,
 }
 
 impl Queue {
+    fn new(priority_levels: usize) -> Self {
+        Queue {
+            levels: (0..priority_levels.max(1) + 1)
+                .map(|_| VecDeque::new())
+                .collect(),
+            rows: 0,
+        }
+    }
+
+    fn delayed_level(&self) -> usize {
+        self.levels.len() - 1
+    }
+
     fn push(&mut self, admitted: Admitted) {
         self.rows += admitted.job.rows();
-        self.jobs.push_back(Pending {
+        let level = admitted.level.min(self.delayed_level() - 1);
+        let deadline = admitted.timeout.map(|t| admitted.job.enqueued_at + t);
+        self.levels[level].push_back(Pending {
             job: admitted.job,
             next_row: 0,
+            deadline,
             _permit: admitted.permit,
         });
+    }
+
+    fn jobs(&self) -> impl Iterator<Item = &Pending> {
+        self.levels.iter().flatten()
+    }
+
+    fn len(&self) -> usize {
+        self.levels.iter().map(VecDeque::len).sum()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.levels.iter().all(VecDeque::is_empty)
     }
 
     /// Drops jobs nobody waits for any more (their client disconnected); returns how many.
     fn drop_abandoned(&mut self) -> usize {
         let rows = &mut self.rows;
-        let before = self.jobs.len();
-        self.jobs.retain(|p| {
-            let keep = !p.job.abandoned();
-            if !keep {
-                *rows -= p.job.rows() - p.next_row;
+        let mut dropped = 0;
+        for level in &mut self.levels {
+            level.retain(|p| {
+                let keep = !p.job.abandoned();
+                if !keep {
+                    *rows -= p.rows_left();
+                    dropped += 1;
+                }
+                keep
+            });
+        }
+        dropped
+    }
+
+    /// Jobs none of whose rows was cut by their deadline: under `Reject` they are answered
+    /// with a timeout and leave, under `Delay` they move behind every other job.
+    fn expire(&mut self, now: Instant, policy: &BatchPolicy, model: &str) {
+        let delayed = self.delayed_level();
+        for level in 0..delayed {
+            let action = policy
+                .queues
+                .get(level)
+                .map_or(TimeoutAction::Reject, |q| q.timeout_action);
+            let mut i = 0;
+            while i < self.levels[level].len() {
+                let p = &self.levels[level][i];
+                let expired = p.next_row == 0 && p.deadline.is_some_and(|d| now >= d);
+                if !expired {
+                    i += 1;
+                    continue;
+                }
+                let mut p = self.levels[level]
+                    .remove(i)
+                    .expect("index checked against the length");
+                match action {
+                    TimeoutAction::Reject => {
+                        self.rows -= p.rows_left();
+                        let waited = now - p.job.enqueued_at;
+                        let timeout = p.deadline.map_or(waited, |d| d - p.job.enqueued_at);
+                        p.job.fail(SchedulerError::Timeout {
+                            model: model.to_string(),
+                            waited_ms: waited.as_millis() as u64,
+                            timeout_ms: timeout.as_millis() as u64,
+                        });
+                    }
+                    TimeoutAction::Delay => {
+                        p.deadline = None;
+                        self.levels[delayed].push_back(p);
+                    }
+                }
             }
-            keep
-        });
-        before - self.jobs.len()
+        }
+    }
+
+    /// The earliest deadline of a job that can still time out.
+    fn next_deadline(&self) -> Option<Instant> {
+        self.jobs()
+            .filter(|p| p.next_row == 0)
+            .filter_map(|p| p.deadline)
+            .min()
+    }
+
+    fn head(&self) -> Option<&Pending> {
+        self.levels.iter().find_map(|l| l.front())
     }
 
     fn head_rows(&self) -> usize {
-        self.jobs.front().map_or(0, |p| p.job.rows() - p.next_row)
+        self.head().map_or(0, Pending::rows_left)
     }
 
+    /// The longest-waiting job at the front of any level.
     fn oldest(&self) -> Option<Instant> {
-        self.jobs.front().map(|p| p.job.enqueued_at)
+        self.levels
+            .iter()
+            .filter_map(|l| l.front())
+            .map(|p| p.job.enqueued_at)
+            .min()
     }
 
-    /// Takes up to `n` rows from the front. Only jobs with the same normalization share a
-    /// batch, since the whole batch is normalized at once on the device. Calls
+    /// Takes up to `n` rows, highest priority first. Only jobs with the same normalization
+    /// share a batch, since the whole batch is normalized at once on the device. Calls
     /// `started(job)` for each job whose first rows leave the queue.
     fn cut(&mut self, n: usize, mut started: impl FnMut(&JobState)) -> Batch {
-        let mut parts = Vec::new();
+        let mut parts: Vec<(Arc<JobState>, std::ops::Range<usize>)> = Vec::new();
         let mut left = n;
         while left > 0 {
-            let Some(front) = self.jobs.front_mut() else {
+            let Some(level) = self.levels.iter_mut().find(|l| !l.is_empty()) else {
                 break;
             };
+            let front = level.front_mut().expect("level is not empty");
             if let Some((first, _)) = parts.first() {
-                let first: &Arc<JobState> = first;
                 if first.job.normalize != front.job.job.normalize {
                     break;
                 }
@@ -77,13 +175,13 @@ impl Queue {
             if front.next_row == 0 {
                 started(&front.job);
             }
-            let take = left.min(front.job.rows() - front.next_row);
+            let take = left.min(front.rows_left());
             let range = front.next_row..front.next_row + take;
             front.next_row += take;
             parts.push((front.job.clone(), range));
             left -= take;
-            if front.next_row == front.job.rows() {
-                self.jobs.pop_front();
+            if front.rows_left() == 0 {
+                level.pop_front();
             }
         }
         self.rows -= n - left;
@@ -110,16 +208,27 @@ pub(super) async fn run_batcher(
     let m = &labels.metrics;
     let pending_gauge = m.pending_requests.with_label_values(&mv);
     let queue_us = m.queue_duration_us.with_label_values(&mv);
-    let canceled = m
-        .request_failure
-        .with_label_values(&[mv[0], mv[1], reason::CANCELED]);
-    let mut queue = Queue::default();
+    let mut queue = Queue::new(policy.queues.len());
+    let has_timeouts = policy.has_timeouts();
     let mut idle: VecDeque<Slot> = VecDeque::new();
     let mut jobs_open = true;
+    let fail_all = |queue: &mut Queue| {
+        for level in &mut queue.levels {
+            for p in level.drain(..) {
+                p.job.fail(SchedulerError::NotReady(model.clone()));
+            }
+        }
+        queue.rows = 0;
+    };
     loop {
         let mut timer = None;
+        if has_timeouts {
+            // Expired jobs are answered even while every instance is busy.
+            queue.expire(Instant::now(), &policy, &model);
+        }
         while let Some(target) = idle.front().map(|s| s.target) {
-            canceled.inc_by(queue.drop_abandoned() as u64);
+            // Their requests count as CANCELED where they are dropped (`Admission`).
+            queue.drop_abandoned();
             let now = Instant::now();
             match decide(
                 queue.rows,
@@ -146,8 +255,11 @@ pub(super) async fn run_batcher(
                 }
             }
         }
-        pending_gauge.set(queue.jobs.len() as i64);
-        if !jobs_open && queue.jobs.is_empty() {
+        if has_timeouts {
+            timer = [timer, queue.next_deadline()].into_iter().flatten().min();
+        }
+        pending_gauge.set(queue.len() as i64);
+        if !jobs_open && queue.is_empty() {
             break; // drained: dropping the slots ends the instance threads
         }
         let sleep = async {
@@ -162,9 +274,7 @@ pub(super) async fn run_batcher(
                 Some(slot) => idle.push_back(slot),
                 None => {
                     // Every instance is gone: nothing can run what is queued.
-                    for p in queue.jobs.drain(..) {
-                        p.job.fail(SchedulerError::NotReady(model.clone()));
-                    }
+                    fail_all(&mut queue);
                     break;
                 }
             },
@@ -174,9 +284,7 @@ pub(super) async fn run_batcher(
             },
             _ = sleep => {}
             _ = stop.cancelled() => {
-                for p in queue.jobs.drain(..) {
-                    p.job.fail(SchedulerError::NotReady(model.clone()));
-                }
+                fail_all(&mut queue);
                 break;
             }
         }
@@ -189,10 +297,16 @@ mod tests {
     use super::*;
     use crate::domain::Normalize;
     use crate::engine::OutputRequest;
-    use crate::scheduler::InferJob;
+    use crate::scheduler::{InferJob, JobResult, QueuePolicy};
+    use std::time::Duration;
     use tokio::sync::{oneshot, Semaphore};
 
-    fn job(rows: usize, mean: f32) -> (Admitted, oneshot::Receiver<super::super::JobResult>) {
+    fn job_at(
+        rows: usize,
+        mean: f32,
+        level: usize,
+        timeout: Option<Duration>,
+    ) -> (Admitted, oneshot::Receiver<JobResult>) {
         let (tx, rx) = oneshot::channel();
         let job = InferJob {
             rows: vec![vec![0u8; 3]; rows],
@@ -210,43 +324,52 @@ mod tests {
             Admitted {
                 job: Arc::new(JobState::new(job, tx)),
                 permit,
+                level,
+                timeout,
             },
             rx,
         )
     }
 
+    fn job(rows: usize, mean: f32) -> (Admitted, oneshot::Receiver<JobResult>) {
+        job_at(rows, mean, 0, None)
+    }
+
+    fn ranges(b: &Batch) -> Vec<std::ops::Range<usize>> {
+        b.parts.iter().map(|(_, r)| r.clone()).collect()
+    }
+
+    fn policy(levels: usize, action: TimeoutAction) -> BatchPolicy {
+        BatchPolicy {
+            queues: vec![
+                QueuePolicy {
+                    timeout_action: action,
+                    default_timeout: Some(Duration::from_millis(10)),
+                    allow_timeout_override: false,
+                    capacity: 8,
+                };
+                levels
+            ],
+            ..BatchPolicy::single_queue(32, 8)
+        }
+    }
+
     #[test]
     fn cut_splits_a_large_job_into_ranges_and_merges_small_ones() {
-        let mut q = Queue::default();
+        let mut q = Queue::new(1);
         let (a, _ra) = job(5, 0.0);
         let (b, _rb) = job(2, 0.0);
         q.push(a);
         q.push(b);
-        let first = q.cut(3, |_| {});
-        assert_eq!(
-            first
-                .parts
-                .iter()
-                .map(|(_, r)| r.clone())
-                .collect::<Vec<_>>(),
-            vec![0..3]
-        );
-        let second = q.cut(4, |_| {});
-        assert_eq!(
-            second
-                .parts
-                .iter()
-                .map(|(_, r)| r.clone())
-                .collect::<Vec<_>>(),
-            vec![3..5, 0..2]
-        );
+        assert_eq!(ranges(&q.cut(3, |_| {})), vec![0..3]);
+        assert_eq!(ranges(&q.cut(4, |_| {})), vec![3..5, 0..2]);
         assert_eq!(q.rows, 0);
-        assert!(q.jobs.is_empty());
+        assert!(q.is_empty());
     }
 
     #[test]
     fn cut_never_mixes_normalizations() {
-        let mut q = Queue::default();
+        let mut q = Queue::new(1);
         let (a, _ra) = job(2, 0.0);
         let (b, _rb) = job(2, 0.5);
         q.push(a);
@@ -257,14 +380,86 @@ mod tests {
 
     #[test]
     fn abandoned_jobs_are_dropped_with_their_rows() {
-        let mut q = Queue::default();
+        let mut q = Queue::new(1);
         let (a, ra) = job(3, 0.0);
         let (b, _rb) = job(2, 0.0);
         q.push(a);
         q.push(b);
         drop(ra);
-        q.drop_abandoned();
+        assert_eq!(q.drop_abandoned(), 1);
         assert_eq!(q.rows, 2);
-        assert_eq!(q.jobs.len(), 1);
+        assert_eq!(q.len(), 1);
+    }
+
+    #[test]
+    fn higher_priority_rows_are_cut_first_even_when_they_came_later() {
+        let mut q = Queue::new(2);
+        let (low, _rl) = job_at(3, 0.0, 1, None);
+        let (high, _rh) = job_at(2, 0.0, 0, None);
+        let low_job = low.job.clone();
+        let high_job = high.job.clone();
+        q.push(low);
+        q.push(high);
+        assert_eq!(q.head_rows(), 2);
+        let b = q.cut(4, |_| {});
+        assert!(Arc::ptr_eq(&b.parts[0].0, &high_job));
+        assert!(Arc::ptr_eq(&b.parts[1].0, &low_job));
+        assert_eq!(ranges(&b), vec![0..2, 0..2]);
+        assert_eq!(q.rows, 1);
+    }
+
+    #[test]
+    fn an_expired_job_is_rejected_with_a_timeout_under_reject() {
+        let p = policy(1, TimeoutAction::Reject);
+        let mut q = Queue::new(1);
+        let (a, mut ra) = job_at(2, 0.0, 0, Some(Duration::from_millis(10)));
+        let (b, mut rb) = job(1, 0.0);
+        let t0 = a.job.enqueued_at;
+        q.push(a);
+        q.push(b);
+        q.expire(t0 + Duration::from_millis(5), &p, "m");
+        assert_eq!(q.len(), 2, "not yet expired");
+        assert_eq!(q.next_deadline(), Some(t0 + Duration::from_millis(10)));
+        q.expire(t0 + Duration::from_millis(11), &p, "m");
+        assert_eq!(q.len(), 1);
+        assert_eq!(q.rows, 1);
+        match ra.try_recv() {
+            Ok(Err(SchedulerError::Timeout { timeout_ms, .. })) => assert_eq!(timeout_ms, 10),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        assert!(rb.try_recv().is_err(), "the other job is still waiting");
+        assert_eq!(q.next_deadline(), None);
+    }
+
+    #[test]
+    fn an_expired_job_runs_after_everything_else_under_delay() {
+        let p = policy(1, TimeoutAction::Delay);
+        let mut q = Queue::new(1);
+        let (a, mut ra) = job_at(1, 0.0, 0, Some(Duration::from_millis(10)));
+        let (b, _rb) = job(1, 0.0);
+        let (a_job, b_job) = (a.job.clone(), b.job.clone());
+        let t0 = a.job.enqueued_at;
+        q.push(a);
+        q.push(b);
+        q.expire(t0 + Duration::from_millis(20), &p, "m");
+        assert!(ra.try_recv().is_err(), "delayed, not answered");
+        assert_eq!(q.rows, 2);
+        let first = q.cut(1, |_| {});
+        assert!(Arc::ptr_eq(&first.parts[0].0, &b_job));
+        let second = q.cut(1, |_| {});
+        assert!(Arc::ptr_eq(&second.parts[0].0, &a_job));
+    }
+
+    #[test]
+    fn a_job_whose_rows_started_never_times_out() {
+        let p = policy(1, TimeoutAction::Reject);
+        let mut q = Queue::new(1);
+        let (a, mut ra) = job_at(5, 0.0, 0, Some(Duration::from_millis(10)));
+        let t0 = a.job.enqueued_at;
+        q.push(a);
+        q.cut(2, |_| {});
+        q.expire(t0 + Duration::from_secs(1), &p, "m");
+        assert_eq!(q.rows, 3);
+        assert!(ra.try_recv().is_err());
     }
 }

@@ -7,9 +7,10 @@ use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::batcher::{run_batcher, BatcherLabels};
+use super::cache::{CacheKey, ResponseCache};
 use super::instance::{instance_loop, InstanceContext, Slot};
-use super::{Admitted, BatchPolicy, InferJob, JobResult, JobState, SchedulerError};
-use crate::domain::{InstanceId, ModelName, ModelVersion, Normalize};
+use super::{Admitted, BatchPolicy, InferJob, JobResult, JobState, RowOutput, SchedulerError};
+use crate::domain::{InstanceId, ModelName, ModelVersion, Normalize, RequestOptions};
 use crate::engine::{BatchInput, Engine, EngineError, OutputRequest};
 use crate::telemetry::{micros, reason, Metrics};
 
@@ -24,9 +25,11 @@ pub struct ModelSettings {
     pub instances: Vec<InstanceId>,
     /// The model file each instance loads.
     pub model_file: std::path::PathBuf,
+    /// Batching, and per priority level the queue's capacity (requests that may wait;
+    /// one more is refused with `Overloaded`) and timeouts.
     pub policy: BatchPolicy,
-    /// Jobs (requests) that may wait; one more is refused with `Overloaded`.
-    pub queue_capacity: usize,
+    /// `Some` when the model's `response_cache` is enabled.
+    pub cache: Option<Arc<ResponseCache>>,
     pub height: usize,
     pub width: usize,
     /// How each instance picks the batch size it asks the batcher for.
@@ -55,8 +58,10 @@ struct Inner {
     version: ModelVersion,
     metrics: Arc<Metrics>,
     jobs: mpsc::Sender<Admitted>,
-    /// One permit per queue place (`max_queue_size`).
-    queue_places: Arc<Semaphore>,
+    policy: BatchPolicy,
+    /// Per priority level, one permit per queue place (`max_queue_size`).
+    queue_places: Vec<Arc<Semaphore>>,
+    cache: Option<Arc<ResponseCache>>,
     state: watch::Receiver<ModelState>,
     /// Stops the batcher, which ends the instance threads.
     stop: CancellationToken,
@@ -121,7 +126,7 @@ impl ModelHandle {
     /// Takes one place in the model's queue, or refuses at once (`Overloaded` when the
     /// queue is full, `NotReady`); never waits for room. The place is held until every row
     /// submitted through the admission has left the queue.
-    pub fn admit(&self) -> Result<Admission, SchedulerError> {
+    pub fn admit(&self, options: RequestOptions) -> Result<Admission, SchedulerError> {
         let refused = |e: SchedulerError| {
             self.account(&Err(e.clone()), Instant::now());
             e
@@ -131,22 +136,24 @@ impl ModelHandle {
                 self.inner.name.to_string(),
             )));
         }
-        let permit = self
-            .inner
-            .queue_places
+        let level = self.inner.policy.level(options.priority);
+        let permit = self.inner.queue_places[level]
             .clone()
             .try_acquire_owned()
             .map_err(|_| refused(SchedulerError::Overloaded(self.inner.name.to_string())))?;
         Ok(Admission {
+            finished: false,
             handle: self.clone(),
             permit: Some(Arc::new(permit)),
+            level,
+            timeout: self.inner.policy.queues[level].timeout_for(options.timeout),
             started: Instant::now(),
         })
     }
 
     /// Admits, queues the job and resolves when every row has its output.
-    pub async fn infer(&self, job: InferJob) -> JobResult {
-        let mut admission = self.admit()?;
+    pub async fn infer(&self, job: InferJob, options: RequestOptions) -> JobResult {
+        let mut admission = self.admit(options)?;
         let submitted = admission.submit(job).await;
         admission.all_submitted();
         let result = match submitted {
@@ -158,76 +165,132 @@ impl ModelHandle {
     }
 
     fn account(&self, result: &JobResult, started: Instant) {
-        let m = &self.inner.metrics;
-        let version = self.inner.version.to_string();
-        let labels = [self.inner.name.as_str(), version.as_str()];
         match result {
             Ok(_) => {
+                let version = self.inner.version.to_string();
+                let labels = [self.inner.name.as_str(), version.as_str()];
+                let m = &self.inner.metrics;
                 m.request_success.with_label_values(&labels).inc();
                 m.request_duration_us
                     .with_label_values(&labels)
                     .inc_by(micros(started.elapsed()));
             }
-            Err(e) => {
-                let why = match e {
-                    SchedulerError::Overloaded(_) => reason::REJECTED,
-                    SchedulerError::Execution { .. } => reason::BACKEND,
-                    SchedulerError::NotReady(_) => reason::OTHER,
-                };
-                m.request_failure
-                    .with_label_values(&[labels[0], labels[1], why])
-                    .inc();
-            }
+            Err(e) => self.count_failure(match e {
+                SchedulerError::Overloaded(_) | SchedulerError::Timeout { .. } => reason::REJECTED,
+                SchedulerError::Execution { .. } => reason::BACKEND,
+                SchedulerError::NotReady(_) => reason::OTHER,
+            }),
         }
+    }
+
+    fn count_failure(&self, why: &str) {
+        let version = self.inner.version.to_string();
+        self.inner
+            .metrics
+            .request_failure
+            .with_label_values(&[self.inner.name.as_str(), version.as_str(), why])
+            .inc();
     }
 }
 
 /// One request's place in a model's queue. Its rows may be submitted in several jobs
 /// (as they are decoded); they share the place and never mix with other requests' rows
-/// except by sharing batches.
+/// except by sharing batches. Dropped without `finish` (its caller went away), the
+/// request counts as Triton's `CANCELED`; its queued rows are dropped by the batcher.
 pub struct Admission {
+    /// Set by `finish`, so `Drop` knows the outcome was counted.
+    finished: bool,
     handle: ModelHandle,
     /// Shared with the queued jobs; `None` once every job is submitted, so the place is
     /// freed as soon as the last of them leaves the queue.
     permit: Option<Arc<OwnedSemaphorePermit>>,
+    level: usize,
+    timeout: Option<Duration>,
     started: Instant,
 }
 
 /// The outputs of one submitted job, in its row order.
-pub struct PendingRows(oneshot::Receiver<JobResult>);
+pub struct PendingRows {
+    computed: oneshot::Receiver<JobResult>,
+    cached: Option<CachedRows>,
+}
+
+/// Rows answered from the response cache, and the keys under which the others' outputs
+/// are stored once computed.
+struct CachedRows {
+    cache: Arc<ResponseCache>,
+    /// Per row of the job: its cached output, or `None` when the model runs it.
+    found: Vec<Option<RowOutput>>,
+    keys: Vec<CacheKey>,
+}
 
 impl PendingRows {
     pub async fn wait(self, model: &str) -> JobResult {
-        self.0
+        let computed = self
+            .computed
             .await
-            .unwrap_or_else(|_| Err(SchedulerError::NotReady(model.to_string())))
+            .unwrap_or_else(|_| Err(SchedulerError::NotReady(model.to_string())))?;
+        let Some(c) = self.cached else {
+            return Ok(computed);
+        };
+        let mut computed = computed.into_iter();
+        let mut rows = Vec::with_capacity(c.found.len());
+        for (found, key) in c.found.into_iter().zip(c.keys) {
+            let out = match found {
+                Some(out) => out,
+                None => {
+                    let out = computed.next().ok_or_else(|| SchedulerError::Execution {
+                        model: model.to_string(),
+                        message: "fewer outputs than rows".into(),
+                    })?;
+                    c.cache.insert(key, out.clone());
+                    out
+                }
+            };
+            rows.push(out);
+        }
+        Ok(rows)
     }
 }
 
 impl Admission {
     /// Queues `job`. Waits only if the channel to the batcher is momentarily full (the
     /// request is already admitted; this is backpressure, not admission).
-    pub async fn submit(&self, job: InferJob) -> Result<PendingRows, SchedulerError> {
-        let (reply, rx) = oneshot::channel();
+    pub async fn submit(&self, mut job: InferJob) -> Result<PendingRows, SchedulerError> {
+        let inner = &self.handle.inner;
+        let (reply, computed) = oneshot::channel();
+        let cached = inner.cache.as_ref().map(|cache| {
+            let cached = lookup(inner, cache, &job);
+            // Only the rows the cache does not know go to the model.
+            let rows = std::mem::take(&mut job.rows);
+            job.rows = rows
+                .into_iter()
+                .zip(&cached.found)
+                .filter(|(_, found)| found.is_none())
+                .map(|(row, _)| row)
+                .collect();
+            cached
+        });
         if job.rows.is_empty() {
             let _ = reply.send(Ok(Vec::new()));
-            return Ok(PendingRows(rx));
+            return Ok(PendingRows { computed, cached });
         }
-        let name = || self.handle.inner.name.to_string();
+        let name = || inner.name.to_string();
         let Some(permit) = self.permit.clone() else {
             return Err(SchedulerError::NotReady(name()));
         };
         let admitted = Admitted {
             job: Arc::new(JobState::new(job, reply)),
             permit,
+            level: self.level,
+            timeout: self.timeout,
         };
-        self.handle
-            .inner
+        inner
             .jobs
             .send(admitted)
             .await
             .map_err(|_| SchedulerError::NotReady(name()))?;
-        Ok(PendingRows(rx))
+        Ok(PendingRows { computed, cached })
     }
 
     /// No more jobs will come: the queue place is freed when the last one is cut.
@@ -242,9 +305,50 @@ impl Admission {
     }
 
     /// Counts the request's outcome (Triton's success/failure counters) and frees its place.
-    pub fn finish<T>(self, result: &Result<T, SchedulerError>) {
+    pub fn finish<T>(mut self, result: &Result<T, SchedulerError>) {
         let outcome = result.as_ref().map(|_| Vec::new()).map_err(|e| e.clone());
         self.handle.account(&outcome, self.started);
+        self.finished = true;
+    }
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.handle.count_failure(reason::CANCELED);
+        }
+    }
+}
+
+/// Looks every row of `job` up in the cache and counts hits and misses.
+fn lookup(inner: &Inner, cache: &Arc<ResponseCache>, job: &InferJob) -> CachedRows {
+    let keys: Vec<CacheKey> = job
+        .rows
+        .iter()
+        .map(|row| {
+            ResponseCache::key(
+                inner.name.as_str(),
+                inner.version.0,
+                &job.normalize,
+                job.want,
+                row,
+            )
+        })
+        .collect();
+    let found: Vec<Option<RowOutput>> = keys.iter().map(|&k| cache.get(k)).collect();
+    let hits = found.iter().filter(|f| f.is_some()).count() as u64;
+    let version = inner.version.to_string();
+    let mv = [inner.name.as_str(), version.as_str()];
+    inner.metrics.cache_hits.with_label_values(&mv).inc_by(hits);
+    inner
+        .metrics
+        .cache_misses
+        .with_label_values(&mv)
+        .inc_by(found.len() as u64 - hits);
+    CachedRows {
+        cache: cache.clone(),
+        found,
+        keys,
     }
 }
 
@@ -254,10 +358,21 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
     let name = settings.name.to_string();
     let version = settings.version.to_string();
     settings.metrics.register_model(&name, &version);
-    let queue_places = Arc::new(Semaphore::new(settings.queue_capacity.max(1)));
+    let queue_places: Vec<Arc<Semaphore>> = settings
+        .policy
+        .queues
+        .iter()
+        .map(|q| Arc::new(Semaphore::new(q.capacity.max(1))))
+        .collect();
+    let capacity: usize = settings
+        .policy
+        .queues
+        .iter()
+        .map(|q| q.capacity.max(1))
+        .sum();
     // The batcher drains this at once into its own queue (bounded by `queue_places`);
     // the capacity only smooths bursts of chunks from streaming uploads.
-    let (jobs_tx, jobs_rx) = mpsc::channel(settings.queue_capacity.max(1) * 4);
+    let (jobs_tx, jobs_rx) = mpsc::channel(capacity * 4);
     // Every instance holds at most one outstanding offer.
     let (slots_tx, slots_rx) = mpsc::channel::<Slot>(settings.instances.len().max(1));
     let (state_tx, state_rx) = watch::channel(ModelState::Loading);
@@ -355,7 +470,9 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
             version: settings.version,
             metrics: settings.metrics,
             jobs: jobs_tx,
+            policy: settings.policy,
             queue_places,
+            cache: settings.cache,
             state: state_rx,
         }),
     }

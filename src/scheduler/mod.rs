@@ -6,6 +6,7 @@
 //! them. Rows never cross between requests.
 
 mod batcher;
+mod cache;
 mod handle;
 mod instance;
 pub mod policy;
@@ -16,11 +17,12 @@ use std::time::Instant;
 
 use tokio::sync::oneshot;
 
+pub use cache::ResponseCache;
 pub use handle::{
     start_model, Admission, BatchSizeChoice, EngineFactory, ModelHandle, ModelSettings, ModelState,
     PendingRows,
 };
-pub use policy::BatchPolicy;
+pub use policy::{BatchPolicy, QueuePolicy};
 
 use crate::domain::{ClassScore, Normalize};
 use crate::engine::OutputRequest;
@@ -35,6 +37,15 @@ pub enum SchedulerError {
     NotReady(String),
     #[error("model '{model}' failed: {message}")]
     Execution { model: String, message: String },
+    #[error(
+        "request timeout expired: waited {waited_ms} ms in the queue of model '{model}' \
+         (timeout {timeout_ms} ms)"
+    )]
+    Timeout {
+        model: String,
+        waited_ms: u64,
+        timeout_ms: u64,
+    },
 }
 
 impl SchedulerError {
@@ -43,6 +54,7 @@ impl SchedulerError {
             SchedulerError::Overloaded(_) => ErrorKind::Overloaded,
             SchedulerError::NotReady(_) => ErrorKind::NotReady,
             SchedulerError::Execution { .. } => ErrorKind::Internal,
+            SchedulerError::Timeout { .. } => ErrorKind::DeadlineExceeded,
         }
     }
 }
@@ -139,6 +151,10 @@ impl JobState {
 pub(crate) struct Admitted {
     pub job: Arc<JobState>,
     pub permit: Arc<tokio::sync::OwnedSemaphorePermit>,
+    /// Priority level (index into the policy's queues).
+    pub level: usize,
+    /// How long its rows may wait before any of them is cut.
+    pub timeout: Option<std::time::Duration>,
 }
 
 /// Row ranges of one or more jobs, run together on one instance.

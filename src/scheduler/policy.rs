@@ -1,6 +1,8 @@
 //! Batching decisions as a pure function of (pending rows, now, policy, the idle
-//! instance's target batch size).
+//! instance's target batch size), and the queue rules of Triton's `ModelQueuePolicy`.
 use std::time::{Duration, Instant};
+
+use crate::domain::TimeoutAction;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct BatchPolicy {
@@ -8,6 +10,72 @@ pub struct BatchPolicy {
     pub max_queue_delay: Duration,
     /// `dynamic_batching` present: rows of different requests may share a batch.
     pub merge_requests: bool,
+    /// One queue per priority level, highest priority first.
+    pub queues: Vec<QueuePolicy>,
+    /// The level of a request that names none (or one the model does not have).
+    pub default_level: usize,
+}
+
+impl BatchPolicy {
+    /// One level, no timeouts: what a model without `dynamic_batching` gets.
+    pub fn single_queue(max_batch_size: usize, capacity: usize) -> Self {
+        BatchPolicy {
+            max_batch_size,
+            max_queue_delay: Duration::ZERO,
+            merge_requests: false,
+            queues: vec![QueuePolicy::without_timeout(capacity)],
+            default_level: 0,
+        }
+    }
+
+    /// Triton's rule: priority 1 is the highest; 0 or a level past `priority_levels`
+    /// means the default level. Returns an index into `queues`.
+    pub fn level(&self, priority: u64) -> usize {
+        match usize::try_from(priority) {
+            Ok(p) if p >= 1 && p <= self.queues.len() => p - 1,
+            _ => self.default_level.min(self.queues.len().saturating_sub(1)),
+        }
+    }
+
+    /// Whether any request can ever time out in the queue.
+    pub fn has_timeouts(&self) -> bool {
+        self.queues
+            .iter()
+            .any(|q| q.default_timeout.is_some() || q.allow_timeout_override)
+    }
+}
+
+/// Triton's `ModelQueuePolicy` of one priority level.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueuePolicy {
+    pub timeout_action: TimeoutAction,
+    pub default_timeout: Option<Duration>,
+    pub allow_timeout_override: bool,
+    /// Requests that may wait at this level; one more is refused with `Overloaded`.
+    pub capacity: usize,
+}
+
+impl QueuePolicy {
+    pub fn without_timeout(capacity: usize) -> Self {
+        QueuePolicy {
+            timeout_action: TimeoutAction::Reject,
+            default_timeout: None,
+            allow_timeout_override: false,
+            capacity,
+        }
+    }
+
+    /// The queue timeout of a request that asked for `requested`: the default, unless
+    /// overriding is allowed and the request asks for a shorter one (no default means no
+    /// limit, so any requested timeout is shorter). A zero request means "not set".
+    pub fn timeout_for(&self, requested: Option<Duration>) -> Option<Duration> {
+        let requested = requested.filter(|t| !t.is_zero() && self.allow_timeout_override);
+        match (self.default_timeout, requested) {
+            (default, None) => default,
+            (None, Some(r)) => Some(r),
+            (Some(d), Some(r)) => Some(d.min(r)),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +128,39 @@ mod tests {
             max_batch_size: 32,
             max_queue_delay: Duration::from_millis(2),
             merge_requests: true,
+            queues: vec![QueuePolicy::without_timeout(8)],
+            default_level: 0,
         }
+    }
+
+    #[test]
+    fn priorities_follow_triton_one_is_highest_zero_and_unknown_mean_default() {
+        let p = BatchPolicy {
+            queues: vec![QueuePolicy::without_timeout(8); 3],
+            default_level: 1,
+            ..policy()
+        };
+        assert_eq!(p.level(1), 0);
+        assert_eq!(p.level(3), 2);
+        assert_eq!(p.level(0), 1);
+        assert_eq!(p.level(4), 1);
+        assert_eq!(p.level(u64::MAX), 1);
+    }
+
+    #[test]
+    fn a_request_may_only_shorten_its_timeout_and_only_where_allowed() {
+        let ms = Duration::from_millis;
+        let mut q = QueuePolicy::without_timeout(8);
+        assert_eq!(q.timeout_for(Some(ms(5))), None, "override not allowed");
+        q.allow_timeout_override = true;
+        assert_eq!(q.timeout_for(Some(ms(5))), Some(ms(5)));
+        assert_eq!(q.timeout_for(Some(Duration::ZERO)), None);
+        q.default_timeout = Some(ms(100));
+        assert_eq!(q.timeout_for(None), Some(ms(100)));
+        assert_eq!(q.timeout_for(Some(ms(5))), Some(ms(5)));
+        assert_eq!(q.timeout_for(Some(ms(500))), Some(ms(100)), "never longer");
+        q.allow_timeout_override = false;
+        assert_eq!(q.timeout_for(Some(ms(5))), Some(ms(100)));
     }
 
     #[test]

@@ -206,3 +206,38 @@ pub fn solid_png(red: u8) -> Vec<u8> {
         .unwrap();
     out.into_inner()
 }
+
+/// Adds `lines` inside the classifier's `dynamic_batching { ... }` block.
+pub fn with_batching(model: &str, text: &str, lines: &str) -> String {
+    if model != "classifier" {
+        return text.to_string();
+    }
+    assert!(text.contains("dynamic_batching {"), "classifier batches");
+    text.replace(
+        "dynamic_batching {",
+        &format!("dynamic_batching {{\n{lines}\n"),
+    )
+}
+
+/// Starts `predict` on its own task, so it can be awaited later or aborted (which closes
+/// its connection, as a client that goes away does).
+pub fn spawn_predict(
+    gw: &std::sync::Arc<TestGateway>,
+    query: &str,
+    red: u8,
+) -> tokio::task::JoinHandle<Reply> {
+    let gw = gw.clone();
+    let query = query.to_string();
+    tokio::spawn(async move {
+        gw.predict(&query, &[(format!("{red}.png"), solid_png(red))])
+            .await
+    })
+}
+
+/// Stops a gateway shared with request tasks once they have all ended.
+pub async fn stop_shared(gw: std::sync::Arc<TestGateway>) {
+    let gw = std::sync::Arc::try_unwrap(gw)
+        .ok()
+        .expect("every request task has ended");
+    gw.stop().await;
+}

@@ -1,0 +1,190 @@
+//! Triton's response cache, per image: a row's output is kept under a hash of the
+//! preprocessed u8 row, the model, its version, the normalization and what the caller
+//! asked for (top-k size, logits), so a repeated photo skips the model. Bounded in bytes,
+//! least recently used out first. One cache is shared by every model that enables it,
+//! as Triton's `--cache-config local,size=...` is.
+use std::sync::Mutex;
+
+use lru::LruCache;
+use xxhash_rust::xxh3::Xxh3;
+
+use super::RowOutput;
+use crate::domain::{ClassScore, Normalize};
+use crate::engine::OutputRequest;
+
+/// 128-bit xxh3 of everything that decides a row's output; a collision among 2^64 keys
+/// is far less likely than a bit flip in memory, so the row itself is not stored.
+pub type CacheKey = u128;
+
+pub struct ResponseCache {
+    capacity_bytes: usize,
+    inner: Mutex<Entries>,
+}
+
+impl std::fmt::Debug for ResponseCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseCache")
+            .field("capacity_bytes", &self.capacity_bytes)
+            .field("bytes", &self.bytes())
+            .finish()
+    }
+}
+
+struct Entries {
+    lru: LruCache<CacheKey, RowOutput>,
+    bytes: usize,
+}
+
+impl ResponseCache {
+    pub fn new(capacity_bytes: usize) -> Self {
+        ResponseCache {
+            capacity_bytes,
+            inner: Mutex::new(Entries {
+                lru: LruCache::unbounded(),
+                bytes: 0,
+            }),
+        }
+    }
+
+    pub fn key(
+        model: &str,
+        version: u64,
+        normalize: &Normalize,
+        want: OutputRequest,
+        row: &[u8],
+    ) -> CacheKey {
+        let mut h = Xxh3::new();
+        h.update(&(model.len() as u64).to_le_bytes());
+        h.update(model.as_bytes());
+        h.update(&version.to_le_bytes());
+        for v in normalize.mean.iter().chain(&normalize.std) {
+            h.update(&v.to_bits().to_le_bytes());
+        }
+        h.update(&(want.top_k as u64).to_le_bytes());
+        h.update(&[u8::from(want.logits)]);
+        h.update(row);
+        h.digest128()
+    }
+
+    /// Bytes an entry is charged: its key, its output and the map's bookkeeping.
+    fn entry_bytes(out: &RowOutput) -> usize {
+        const OVERHEAD: usize = 64;
+        std::mem::size_of::<CacheKey>()
+            + std::mem::size_of::<RowOutput>()
+            + out.top_k.len() * std::mem::size_of::<ClassScore>()
+            + out.logits.as_ref().map_or(0, |l| l.len() * 4)
+            + OVERHEAD
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Entries> {
+        // Entries stay consistent across a panic (every update is a single map call plus
+        // a byte count), so a poisoned lock is recovered.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The cached output for `key`, marking it most recently used.
+    pub fn get(&self, key: CacheKey) -> Option<RowOutput> {
+        self.lock().lru.get(&key).cloned()
+    }
+
+    /// Stores `out`, evicting the least recently used entries until it fits. An entry
+    /// larger than the whole cache is not stored.
+    pub fn insert(&self, key: CacheKey, out: RowOutput) {
+        let size = Self::entry_bytes(&out);
+        if size > self.capacity_bytes {
+            return;
+        }
+        let mut e = self.lock();
+        if let Some(old) = e.lru.pop(&key) {
+            e.bytes -= Self::entry_bytes(&old);
+        }
+        while e.bytes + size > self.capacity_bytes {
+            let Some((_, old)) = e.lru.pop_lru() else {
+                break;
+            };
+            e.bytes -= Self::entry_bytes(&old);
+        }
+        e.bytes += size;
+        e.lru.put(key, out);
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().lru.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.lock().bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn out(class: u32) -> RowOutput {
+        RowOutput {
+            top_k: vec![ClassScore {
+                class_id: class,
+                score: 0.5,
+            }],
+            logits: None,
+        }
+    }
+
+    const N: Normalize = Normalize {
+        mean: [0.5; 3],
+        std: [0.5; 3],
+    };
+    const TOP1: OutputRequest = OutputRequest {
+        top_k: 1,
+        logits: false,
+    };
+
+    #[test]
+    fn the_key_depends_on_every_input() {
+        let k = ResponseCache::key("m", 1, &N, TOP1, b"row");
+        assert_eq!(k, ResponseCache::key("m", 1, &N, TOP1, b"row"));
+        assert_ne!(k, ResponseCache::key("n", 1, &N, TOP1, b"row"));
+        assert_ne!(k, ResponseCache::key("m", 2, &N, TOP1, b"row"));
+        assert_ne!(k, ResponseCache::key("m", 1, &N, TOP1, b"rox"));
+        let other = Normalize {
+            mean: [0.4; 3],
+            ..N
+        };
+        assert_ne!(k, ResponseCache::key("m", 1, &other, TOP1, b"row"));
+        let top5 = OutputRequest { top_k: 5, ..TOP1 };
+        assert_ne!(k, ResponseCache::key("m", 1, &N, top5, b"row"));
+    }
+
+    #[test]
+    fn least_recently_used_entries_leave_first_and_bytes_stay_bounded() {
+        let one = ResponseCache::entry_bytes(&out(0));
+        let cache = ResponseCache::new(one * 2);
+        cache.insert(1, out(1));
+        cache.insert(2, out(2));
+        assert_eq!(cache.get(1), Some(out(1))); // 1 is now the most recent
+        cache.insert(3, out(3));
+        assert_eq!(cache.get(2), None, "2 was the least recently used");
+        assert_eq!(cache.get(1), Some(out(1)));
+        assert_eq!(cache.get(3), Some(out(3)));
+        assert_eq!(cache.len(), 2);
+        assert_eq!(cache.bytes(), one * 2);
+        cache.insert(3, out(3));
+        assert_eq!(
+            cache.bytes(),
+            one * 2,
+            "replacing an entry does not grow the cache"
+        );
+    }
+
+    #[test]
+    fn an_entry_larger_than_the_cache_is_not_stored() {
+        let cache = ResponseCache::new(8);
+        cache.insert(1, out(1));
+        assert!(cache.is_empty());
+    }
+}
