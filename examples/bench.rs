@@ -147,6 +147,11 @@ async fn main() {
     let small = photos("small");
     let server = Server::start(&[]).await;
     println!(
+        "\n   server RSS once ready (warm-up done, no request yet): {:.0} MiB (peak {:.0} MiB)",
+        server.rss_mib("VmRSS:"),
+        server.peak_rss_mib()
+    );
+    println!(
         "\n3b. POST /predict, one request of {images} photos (small photos repeated), tuned server"
     );
     let (rate, secs) = one_big_request(&server, &small, images).await;
@@ -263,11 +268,16 @@ impl Server {
     }
 
     fn peak_rss_mib(&self) -> f64 {
+        self.rss_mib("VmHWM:")
+    }
+
+    /// A memory line of /proc/<pid>/status (`VmRSS:` now, `VmHWM:` the peak), in MiB.
+    fn rss_mib(&self, field: &str) -> f64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
             .unwrap_or_default();
         status
             .lines()
-            .find(|l| l.starts_with("VmHWM:"))
+            .find(|l| l.starts_with(field))
             .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
             .map_or(f64::NAN, |kb| kb / 1024.0)
     }
@@ -288,13 +298,19 @@ impl Server {
                 .map(|l| format!("   {l}\n"))
                 .collect()
         };
-        format!(
-            "   metrics:\n{}{}{}{}",
-            pick("nv_inference_exec_count"),
-            pick("nv_inference_count"),
-            pick("visiongate_instance_executions_total"),
-            pick("visiongate_batch_size_sum")
-        )
+        // Every Triton-named series, and the totals of visiongate's own histograms.
+        let mut out = String::from("   metrics after the runs above (GET :8002/metrics):\n");
+        for prefix in [
+            "nv_",
+            "visiongate_instance_executions_total",
+            "visiongate_batch_size_sum",
+            "visiongate_batch_size_count",
+            "visiongate_decode_seconds_sum",
+            "visiongate_decode_seconds_count",
+        ] {
+            out.push_str(&pick(prefix));
+        }
+        out
     }
 }
 

@@ -52,14 +52,26 @@ def main() -> int:
     model.eval()
     # Padding is fixed for 224x224 inputs; tracing on a batch of one keeps the batch
     # dimension dynamic.
-    example = torch.zeros(1, 3, 224, 224)
+    # Channels-last weights and torch.jit.freeze (constants inlined, conv+batchnorm folded):
+    # scripts/compare_exports.py measured this fastest on CPU (batch 1: 29 ms/image vs 41
+    # for the plain trace, batch 8: 34 vs 47), top-1 unchanged on the 40 test photos.
+    # Both are device-neutral; optimize_for_inference is not used: it rewrites convs into
+    # MKLDNN (CPU-only) ops, and was slower here anyway. The server feeds channels-last
+    # input (its u8 NHWC batch, permuted).
+    model = model.to(memory_format=torch.channels_last)
+    example = torch.zeros(1, 3, 224, 224).to(memory_format=torch.channels_last)
     with torch.no_grad():
-        traced = torch.jit.trace(model, example)
-        # The traced module must agree with eager on a batch of another size.
+        traced = torch.jit.freeze(torch.jit.trace(model, example).eval())
+        # The exported module must agree with eager on a batch of another size, in either
+        # memory format.
         probe = torch.rand(3, 3, 224, 224)
-        diff = (traced(probe) - model(probe)).abs().max().item()
+        eager = model(probe)
+        diff = max(
+            (traced(probe) - eager).abs().max().item(),
+            (traced(probe.to(memory_format=torch.channels_last)) - eager).abs().max().item(),
+        )
     if diff > 1e-4:
-        print(f"export: traced model differs from eager by {diff}", file=sys.stderr)
+        print(f"export: exported model differs from eager by {diff}", file=sys.stderr)
         return 1
 
     os.makedirs(out_dir, exist_ok=True)

@@ -59,6 +59,8 @@ impl TorchEngine {
             } => {
                 // u8 travels to the device (4x fewer bytes than f32), then NHWC -> NCHW,
                 // to f32 and (x / 255 - mean) / std there, in the order torchvision does it.
+                // The permuted view keeps the NHWC layout ("channels-last" strides), which
+                // the exported model is laid out for; no copy back to NCHW.
                 let shape = [rows, height as i64, width as i64, 3];
                 let x = Tensor::f_from_data_size(data, &shape, Kind::Uint8)?
                     .f_to_device(self.device)?
@@ -71,7 +73,7 @@ impl TorchEngine {
                 let std = Tensor::f_from_slice(&normalize.std)?
                     .f_view([1, 3, 1, 1])?
                     .f_to_device(self.device)?;
-                x.f_sub(&mean)?.f_div(&std)?.f_contiguous()
+                x.f_sub(&mean)?.f_div(&std)
             }
             BatchInput::Tensors {
                 data,
@@ -79,7 +81,11 @@ impl TorchEngine {
                 width,
             } => Tensor::f_from_slice(data)?
                 .f_view([rows, 3, height as i64, width as i64])?
-                .f_to_device(self.device),
+                .f_to_device(self.device)?
+                // To channels-last strides (the model's layout), on the device.
+                .f_permute([0, 2, 3, 1])?
+                .f_contiguous()?
+                .f_permute([0, 3, 1, 2]),
         }
     }
 
