@@ -190,6 +190,25 @@ async fn main() {
         rate / naive
     );
     println!("   naive server peak RSS: {:.0} MiB", server.peak_rss_mib());
+    drop(server);
+
+    // The response cache: the same request with `response_cache` enabled (the small
+    // photos repeat, so every repeat after the first of each is a hit).
+    let cache_repo = repository_copy("cache", |text| {
+        format!("{text}\nresponse_cache {{ enable: true }}\n")
+    });
+    let server = Server::start(&["--model-repository", cache_repo.to_str().unwrap()]).await;
+    println!(
+        "\n3f. the same request with response_cache enabled ({} distinct photos)",
+        small.len()
+    );
+    let (cold, secs) = one_big_request(&server, &small, images).await;
+    println!(
+        "   first time: {secs:.2} s, {cold:.1} images/s (repeats hit once their first copy ran)"
+    );
+    let (warm, secs) = one_big_request(&server, &small, images).await;
+    println!("   again:      {secs:.2} s, {warm:.1} images/s");
+    print!("{}", server.metrics_summary().await);
 }
 
 /// The real server binary on a free port, stopped on drop.
@@ -393,14 +412,15 @@ async fn single_image_load(
 
 /// The bundled repository with the classifier run the naive way: one instance, one batch
 /// of the whole upload.
-fn naive_repository(images: usize) -> PathBuf {
+/// A copy of the bundled repository (model.pt linked) with `edit` applied to the
+/// classifier's config.
+fn repository_copy(tag: &str, edit: impl Fn(String) -> String) -> PathBuf {
     let src = root().join("models");
-    let dst = std::env::temp_dir().join(format!("visiongate-bench-naive-{}", std::process::id()));
+    let dst = std::env::temp_dir().join(format!("visiongate-bench-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dst);
     for model in ["classifier", "preprocessor", "ensemble_model"] {
         std::fs::create_dir_all(dst.join(model).join("1")).unwrap();
         let mut text = std::fs::read_to_string(src.join(model).join("config.pbtxt")).unwrap();
-        text = text.replace("max_batch_size: 64", &format!("max_batch_size: {images}"));
         if model == "classifier" {
             std::fs::copy(
                 src.join(model).join("labels.txt"),
@@ -412,19 +432,28 @@ fn naive_repository(images: usize) -> PathBuf {
                 dst.join(model).join("1/model.pt"),
             )
             .unwrap();
-            text = text.replace("count: 2", "count: 1").replace(
-                "max_queue_delay_microseconds: 2000",
-                "max_queue_delay_microseconds: 60000000",
-            );
-            let start = text.find("preferred_batch_size:").unwrap();
-            let end = start + text[start..].find(']').unwrap() + 1;
-            text = format!(
-                "{}preferred_batch_size: [ {images} ]{}",
-                &text[..start],
-                &text[end..]
-            );
+            text = edit(text);
         }
         std::fs::write(dst.join(model).join("config.pbtxt"), text).unwrap();
     }
     dst
+}
+
+fn naive_repository(images: usize) -> PathBuf {
+    repository_copy("naive", |text| {
+        let text = text
+            .replace("max_batch_size: 64", &format!("max_batch_size: {images}"))
+            .replace("count: 2", "count: 1")
+            .replace(
+                "max_queue_delay_microseconds: 2000",
+                "max_queue_delay_microseconds: 60000000",
+            );
+        let start = text.find("preferred_batch_size:").unwrap();
+        let end = start + text[start..].find(']').unwrap() + 1;
+        format!(
+            "{}preferred_batch_size: [ {images} ]{}",
+            &text[..start],
+            &text[end..]
+        )
+    })
 }

@@ -244,7 +244,11 @@ pub(super) async fn run_batcher(
                     break;
                 }
                 Decision::Cut(n) => {
-                    let batch = queue.cut(n, |job| queue_us.inc_by(micros(now - job.enqueued_at)));
+                    let batch = queue.cut(n, |job| {
+                        if job.first_of_request {
+                            queue_us.inc_by(micros(now - job.enqueued_at));
+                        }
+                    });
                     let slot = idle.pop_front().expect("loop runs only with an idle slot");
                     if let Err(batch) = slot.batches.send(batch) {
                         // The instance thread ended between offering and receiving.

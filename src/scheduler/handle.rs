@@ -148,6 +148,7 @@ impl ModelHandle {
             level,
             timeout: self.inner.policy.queues[level].timeout_for(options.timeout),
             started: Instant::now(),
+            submitted_any: Default::default(),
         })
     }
 
@@ -207,6 +208,8 @@ pub struct Admission {
     level: usize,
     timeout: Option<Duration>,
     started: Instant,
+    /// Set once the request's first job is queued.
+    submitted_any: std::sync::atomic::AtomicBool,
 }
 
 /// The outputs of one submitted job, in its row order.
@@ -215,13 +218,10 @@ pub struct PendingRows {
     cached: Option<CachedRows>,
 }
 
-/// Rows answered from the response cache, and the keys under which the others' outputs
-/// are stored once computed.
+/// Rows answered from the response cache; the model runs the others.
 struct CachedRows {
-    cache: Arc<ResponseCache>,
     /// Per row of the job: its cached output, or `None` when the model runs it.
     found: Vec<Option<RowOutput>>,
-    keys: Vec<CacheKey>,
 }
 
 impl PendingRows {
@@ -234,22 +234,17 @@ impl PendingRows {
             return Ok(computed);
         };
         let mut computed = computed.into_iter();
-        let mut rows = Vec::with_capacity(c.found.len());
-        for (found, key) in c.found.into_iter().zip(c.keys) {
-            let out = match found {
-                Some(out) => out,
-                None => {
-                    let out = computed.next().ok_or_else(|| SchedulerError::Execution {
+        c.found
+            .into_iter()
+            .map(|found| {
+                found
+                    .or_else(|| computed.next())
+                    .ok_or_else(|| SchedulerError::Execution {
                         model: model.to_string(),
                         message: "fewer outputs than rows".into(),
-                    })?;
-                    c.cache.insert(key, out.clone());
-                    out
-                }
-            };
-            rows.push(out);
-        }
-        Ok(rows)
+                    })
+            })
+            .collect()
     }
 }
 
@@ -259,17 +254,18 @@ impl Admission {
     pub async fn submit(&self, mut job: InferJob) -> Result<PendingRows, SchedulerError> {
         let inner = &self.handle.inner;
         let (reply, computed) = oneshot::channel();
+        let mut miss_keys = Vec::new();
         let cached = inner.cache.as_ref().map(|cache| {
-            let cached = lookup(inner, cache, &job);
+            let (found, keys) = lookup(inner, cache, &job);
             // Only the rows the cache does not know go to the model.
             let rows = std::mem::take(&mut job.rows);
-            job.rows = rows
-                .into_iter()
-                .zip(&cached.found)
-                .filter(|(_, found)| found.is_none())
-                .map(|(row, _)| row)
-                .collect();
-            cached
+            for ((row, key), found) in rows.into_iter().zip(keys).zip(&found) {
+                if found.is_none() {
+                    job.rows.push(row);
+                    miss_keys.push(key);
+                }
+            }
+            CachedRows { found }
         });
         if job.rows.is_empty() {
             let _ = reply.send(Ok(Vec::new()));
@@ -279,8 +275,13 @@ impl Admission {
         let Some(permit) = self.permit.clone() else {
             return Err(SchedulerError::NotReady(name()));
         };
+        let mut state = JobState::new(job, reply);
+        state.cache = inner.cache.clone().map(|cache| (cache, miss_keys));
+        state.first_of_request = !self
+            .submitted_any
+            .swap(true, std::sync::atomic::Ordering::Relaxed);
         let admitted = Admitted {
-            job: Arc::new(JobState::new(job, reply)),
+            job: Arc::new(state),
             permit,
             level: self.level,
             timeout: self.timeout,
@@ -320,8 +321,13 @@ impl Drop for Admission {
     }
 }
 
-/// Looks every row of `job` up in the cache and counts hits and misses.
-fn lookup(inner: &Inner, cache: &Arc<ResponseCache>, job: &InferJob) -> CachedRows {
+/// Looks every row of `job` up in the cache and counts hits and misses: each row's cached
+/// output (if any) and key.
+fn lookup(
+    inner: &Inner,
+    cache: &ResponseCache,
+    job: &InferJob,
+) -> (Vec<Option<RowOutput>>, Vec<CacheKey>) {
     let keys: Vec<CacheKey> = job
         .rows
         .iter()
@@ -345,11 +351,7 @@ fn lookup(inner: &Inner, cache: &Arc<ResponseCache>, job: &InferJob) -> CachedRo
         .cache_misses
         .with_label_values(&mv)
         .inc_by(found.len() as u64 - hits);
-    CachedRows {
-        cache: cache.clone(),
-        found,
-        keys,
-    }
+    (found, keys)
 }
 
 /// Starts the instance threads and the batcher task (call inside a Tokio runtime).

@@ -88,6 +88,12 @@ struct Collect {
 pub(crate) struct JobState {
     job: InferJob,
     enqueued_at: Instant,
+    /// The first job of its request: its wait is the request's queue duration (Triton
+    /// counts queue time per request, until the request starts executing).
+    first_of_request: bool,
+    /// Where each row's output is cached as soon as its batch finishes (so a repeat in a
+    /// later chunk of the same upload can already hit).
+    cache: Option<(Arc<ResponseCache>, Vec<cache::CacheKey>)>,
     collect: Mutex<Collect>,
 }
 
@@ -102,6 +108,8 @@ impl JobState {
             }),
             job,
             enqueued_at: Instant::now(),
+            first_of_request: true,
+            cache: None,
         }
     }
 
@@ -121,6 +129,12 @@ impl JobState {
     }
 
     fn complete(&self, range: Range<usize>, outputs: impl IntoIterator<Item = RowOutput>) {
+        let outputs: Vec<RowOutput> = outputs.into_iter().collect();
+        if let Some((cache, keys)) = &self.cache {
+            for (&key, out) in keys[range.clone()].iter().zip(&outputs) {
+                cache.insert(key, out.clone());
+            }
+        }
         let mut c = self.lock();
         let len = range.len();
         for (slot, out) in c.outputs[range].iter_mut().zip(outputs) {
