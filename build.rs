@@ -9,15 +9,59 @@ fn main() {
 
 /// `proto/model_config.proto` becomes prost types plus a descriptor set, which the
 /// repository module uses to parse `config.pbtxt` (protobuf text format).
+/// `proto/grpc_service.proto` becomes the tonic service (in `OUT_DIR/grpc`), reusing the
+/// repository's `ModelConfig` types. protoc is the vendored binary, not the system's.
 fn compile_protos() {
     let protoc = protoc_bin_vendored::protoc_bin_path().expect("vendored protoc for this host");
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     println!("cargo:rerun-if-changed=proto");
     prost_build::Config::new()
-        .protoc_executable(protoc)
+        .protoc_executable(&protoc)
         .file_descriptor_set_path(out.join("model_config_descriptor.bin"))
         .compile_protos(&["proto/model_config.proto"], &["proto"])
         .expect("proto/model_config.proto compiles");
+
+    let grpc_out = out.join("grpc");
+    std::fs::create_dir_all(&grpc_out).expect("OUT_DIR is writable");
+    let mut config = prost_build::Config::new();
+    config.protoc_executable(&protoc);
+    // Tensor bytes stay `Bytes` (no copy out of the received message).
+    config.bytes(["."]);
+    // Every ModelConfig message and enum is the repository's (same package).
+    for name in model_config_types() {
+        config.extern_path(
+            format!(".inference.{name}"),
+            format!("crate::repository::pb::{name}"),
+        );
+    }
+    tonic_prost_build::configure()
+        .build_client(false)
+        .out_dir(&grpc_out)
+        .compile_with_config(config, &["proto/grpc_service.proto"], &["proto"])
+        .expect("proto/grpc_service.proto compiles");
+}
+
+/// Top-level message and enum names of `proto/model_config.proto`.
+fn model_config_types() -> Vec<String> {
+    let text = std::fs::read_to_string("proto/model_config.proto").expect("proto file readable");
+    let mut depth = 0i32;
+    let mut names = Vec::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if depth == 0 {
+            for kind in ["message ", "enum "] {
+                if let Some(rest) = line.strip_prefix(kind) {
+                    if let Some(name) = rest.split_whitespace().next() {
+                        names.push(name.trim_end_matches('{').to_string());
+                    }
+                }
+            }
+        }
+        if !line.starts_with("//") {
+            depth += line.matches('{').count() as i32 - line.matches('}').count() as i32;
+        }
+    }
+    names
 }
 
 /// torch-sys links libtorch but leaves two gaps (see ARCHITECTURE.md):

@@ -24,6 +24,16 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_HTTP_PORT", default_value_t = 8000)]
     pub http_port: u16,
 
+    /// gRPC port (KServe v2 `inference.GRPCInferenceService`, what `tritonclient.grpc`
+    /// calls). Triton's default is 8001; 0 picks a free port.
+    #[arg(long, env = "VISIONGATE_GRPC_PORT", default_value_t = 8001)]
+    pub grpc_port: u16,
+
+    /// Largest gRPC message in bytes, received or sent. Triton's default is 2 GiB - 1, so
+    /// a request of hundreds of images fits; lower it to bound what one call may hold.
+    #[arg(long, env = "VISIONGATE_GRPC_MAX_MESSAGE_BYTES", default_value_t = i32::MAX as usize)]
+    pub grpc_max_message_bytes: usize,
+
     /// Prometheus metrics port (`GET /metrics`, Triton's metric names). Triton's default
     /// is 8002; 0 picks a free port.
     #[arg(long, env = "VISIONGATE_METRICS_PORT", default_value_t = 8002)]
@@ -132,6 +142,7 @@ impl Config {
         c.model_repository = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models");
         c.host = IpAddr::from([127, 0, 0, 1]);
         c.http_port = 0;
+        c.grpc_port = 0;
         c.metrics_port = 0;
         c.http_workers = 2;
         c

@@ -1,4 +1,4 @@
-//! One error taxonomy for the whole gateway, mapped to HTTP once (gRPC joins later).
+//! One error taxonomy for the whole gateway, mapped once per transport (HTTP, gRPC).
 use actix_web::http::{header, StatusCode};
 use actix_web::{HttpResponse, ResponseError};
 use serde::Serialize;
@@ -32,6 +32,19 @@ impl ErrorKind {
             ErrorKind::Overloaded => "overloaded",
             ErrorKind::DeadlineExceeded => "deadline_exceeded",
             ErrorKind::Internal => "internal",
+        }
+    }
+
+    pub fn grpc_code(self) -> tonic::Code {
+        match self {
+            ErrorKind::InvalidInput | ErrorKind::UnsupportedMediaType => {
+                tonic::Code::InvalidArgument
+            }
+            ErrorKind::PayloadTooLarge => tonic::Code::ResourceExhausted,
+            ErrorKind::NotFound => tonic::Code::NotFound,
+            ErrorKind::NotReady | ErrorKind::Overloaded => tonic::Code::Unavailable,
+            ErrorKind::DeadlineExceeded => tonic::Code::DeadlineExceeded,
+            ErrorKind::Internal => tonic::Code::Internal,
         }
     }
 
@@ -116,6 +129,16 @@ impl ResponseError for GatewayError {
             resp.insert_header((header::RETRY_AFTER, RETRY_AFTER_SECS));
         }
         resp.json(self.body())
+    }
+}
+
+impl From<GatewayError> for tonic::Status {
+    fn from(e: GatewayError) -> tonic::Status {
+        let kind = e.kind();
+        if kind == ErrorKind::Internal {
+            tracing::error!(error = ?e, "internal error");
+        }
+        tonic::Status::new(kind.grpc_code(), e.body().error)
     }
 }
 

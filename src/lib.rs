@@ -5,7 +5,9 @@ pub mod config;
 pub mod domain;
 pub mod engine;
 pub mod error;
+pub mod grpc;
 pub mod http;
+pub mod kserve;
 pub mod preprocess;
 pub mod repository;
 pub mod scheduler;
@@ -40,11 +42,14 @@ pub enum EngineChoice {
 /// A running gateway: its bound address and the handles to stop it.
 pub struct Gateway {
     pub http_addr: SocketAddr,
+    pub grpc_addr: SocketAddr,
     pub metrics_addr: SocketAddr,
     pub state: web::Data<AppState>,
     server: actix_web::dev::ServerHandle,
     metrics_server: actix_web::dev::ServerHandle,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
+    grpc_stop: tokio_util::sync::CancellationToken,
+    grpc_task: tokio::task::JoinHandle<()>,
 }
 
 impl Gateway {
@@ -118,6 +123,19 @@ impl Gateway {
         let task = tokio::spawn(server);
         tracing::info!(%http_addr, "HTTP listening");
 
+        let grpc_listener = tokio::net::TcpListener::bind((cfg.host, cfg.grpc_port))
+            .await
+            .with_context(|| format!("binding gRPC on {}:{}", cfg.host, cfg.grpc_port))?;
+        let grpc_addr = grpc_listener.local_addr()?;
+        let grpc_stop = tokio_util::sync::CancellationToken::new();
+        let grpc_task = tokio::spawn(grpc::serve_logged(
+            grpc_listener,
+            grpc::InferenceService::new(state.clone().into_inner()),
+            cfg.grpc_max_message_bytes,
+            grpc_stop.clone().cancelled_owned(),
+        ));
+        tracing::info!(%grpc_addr, "gRPC listening");
+
         let metrics = state.metrics.clone();
         let metrics_server = HttpServer::new(move || {
             let metrics = metrics.clone();
@@ -147,6 +165,9 @@ impl Gateway {
         tracing::info!(%metrics_addr, "metrics listening");
         Ok(Gateway {
             http_addr,
+            grpc_addr,
+            grpc_stop,
+            grpc_task,
             metrics_addr,
             state,
             server: handle,
@@ -175,6 +196,8 @@ impl Gateway {
     pub async fn stop(self) {
         self.server.stop(true).await;
         let _ = self.task.await;
+        self.grpc_stop.cancel();
+        let _ = self.grpc_task.await;
         self.metrics_server.stop(true).await;
         for model in self.state.models.values() {
             if let ServedModel::Classifier { handle, .. } = model {

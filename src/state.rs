@@ -6,7 +6,9 @@ use std::sync::Arc;
 use crate::domain::{InstanceId, ModelName, ModelVersion, Normalize};
 use crate::error::{ErrorKind, GatewayError};
 use crate::preprocess::{PreprocessPool, PreprocessSettings};
-use crate::repository::{ClassifierSpec, GroupKind, InstanceGroupSpec, ModelKind, RepositoryModel};
+use crate::repository::{
+    ClassifierSpec, GroupKind, InstanceGroupSpec, ModelKind, PreprocessorSpec, RepositoryModel,
+};
 use crate::scheduler::{
     BatchPolicy, BatchSizeChoice, EngineFactory, ModelHandle, ModelSettings, QueuePolicy,
     ResponseCache,
@@ -41,6 +43,8 @@ pub enum ServedModel {
     },
     Preprocessor {
         model: Arc<RepositoryModel>,
+        preprocess: Arc<PreprocessSettings>,
+        normalize: Normalize,
     },
     Ensemble {
         model: Arc<RepositoryModel>,
@@ -49,6 +53,28 @@ pub enum ServedModel {
 }
 
 impl ServedModel {
+    /// The model as read from the repository (its parsed `config.pbtxt`, its version).
+    pub fn repository_model(&self) -> &RepositoryModel {
+        match self {
+            ServedModel::Classifier { model, .. }
+            | ServedModel::Preprocessor { model, .. }
+            | ServedModel::Ensemble { model, .. } => model,
+        }
+    }
+
+    /// Why the model cannot serve, once its load failed.
+    pub fn failure(&self) -> Option<String> {
+        let handle = match self {
+            ServedModel::Classifier { handle, .. } => handle,
+            ServedModel::Ensemble { pipeline, .. } => &pipeline.classifier,
+            ServedModel::Preprocessor { .. } => return None,
+        };
+        match handle.state() {
+            crate::scheduler::ModelState::Failed(why) => Some(why),
+            _ => None,
+        }
+    }
+
     pub fn is_ready(&self) -> bool {
         match self {
             ServedModel::Classifier { handle, .. } => handle.is_ready(),
@@ -129,10 +155,14 @@ impl AppState {
                         },
                     );
                 }
-                ModelKind::Preprocessor(_) => {
+                ModelKind::Preprocessor(p) => {
                     models.insert(
                         m.name.clone(),
-                        ServedModel::Preprocessor { model: m.clone() },
+                        ServedModel::Preprocessor {
+                            model: m.clone(),
+                            preprocess: Arc::new(preprocess_settings(p, &opts)),
+                            normalize: p.normalize,
+                        },
                     );
                 }
                 ModelKind::Ensemble(_) => {}
@@ -152,14 +182,7 @@ impl AppState {
                     let pipeline = ImagePipeline {
                         name: m.name.clone(),
                         version: m.version,
-                        preprocess: Arc::new(PreprocessSettings {
-                            width: p.width,
-                            height: p.height,
-                            dct_scaling_min_side: opts
-                                .dct_override
-                                .unwrap_or(p.dct_scaling_min_side),
-                            max_pixels: opts.max_image_pixels,
-                        }),
+                        preprocess: Arc::new(preprocess_settings(p, &opts)),
                         normalize: p.normalize,
                         classifier: handle.clone(),
                         num_classes: spec.num_classes,
@@ -226,6 +249,15 @@ impl AppState {
     /// Ready: every loaded model is ready (failed ones are reported by their own status).
     pub fn is_ready(&self) -> bool {
         self.models.values().all(|m| m.is_ready())
+    }
+}
+
+fn preprocess_settings(p: &PreprocessorSpec, opts: &BuildOptions) -> PreprocessSettings {
+    PreprocessSettings {
+        width: p.width,
+        height: p.height,
+        dct_scaling_min_side: opts.dct_override.unwrap_or(p.dct_scaling_min_side),
+        max_pixels: opts.max_image_pixels,
     }
 }
 

@@ -2,6 +2,8 @@
 mod client;
 mod health;
 mod predict;
+mod v2;
+mod v2_infer;
 
 use actix_web::{web, HttpResponse};
 
@@ -23,7 +25,21 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: web::Data<AppState>) {
         .route("/predict", web::post().to(predict::predict))
         .route("/v2/health/live", web::get().to(health::live))
         .route("/v2/health/ready", web::get().to(health::ready))
-        .route("/", web::get().to(index))
+        .route("/v2", web::get().to(v2::server_metadata))
+        .route("/v2/models/stats", web::get().to(v2::model_stats))
+        .route("/v2/repository/index", web::post().to(v2::repository_index));
+    // Each model route with and without `/versions/{version}`.
+    for base in [
+        "/v2/models/{model}",
+        "/v2/models/{model}/versions/{version}",
+    ] {
+        cfg.route(base, web::get().to(v2::model_metadata))
+            .route(&format!("{base}/ready"), web::get().to(v2::model_ready))
+            .route(&format!("{base}/config"), web::get().to(v2::model_config))
+            .route(&format!("{base}/stats"), web::get().to(v2::model_stats))
+            .route(&format!("{base}/infer"), web::post().to(v2_infer::infer));
+    }
+    cfg.route("/", web::get().to(index))
         .default_service(web::to(not_found));
 }
 

@@ -18,7 +18,7 @@ use crate::domain::RequestOptions;
 use crate::engine::OutputRequest;
 use crate::error::{ErrorKind, GatewayError};
 use crate::preprocess::{PreprocessError, Row};
-use crate::scheduler::{Admission, InferJob, PendingRows};
+use crate::scheduler::{Admission, InferJob, PendingRows, RowFormat};
 use crate::state::{AppState, ImagePipeline};
 
 const DEFAULT_MODEL: &str = "ensemble_model";
@@ -347,7 +347,7 @@ async fn feed(
     let submit = |rows: Vec<Row>| {
         admission.submit(InferJob {
             rows,
-            normalize: pipeline.normalize,
+            format: RowFormat::Image(pipeline.normalize),
             want,
         })
     };

@@ -7,7 +7,7 @@ mod spec;
 
 use std::path::{Path, PathBuf};
 
-pub use parse::parse_model_config;
+pub use parse::{model_config_json, parse_model_config};
 pub use spec::{
     BatchingSpec, ClassifierSpec, EnsembleSpec, GroupKind, InstanceGroupSpec, ModelKind,
     PreprocessorSpec, QueuePolicySpec, ResizeMode,

@@ -30,6 +30,24 @@ pub fn parse_model_config(model: &str, text: &str) -> Result<pb::ModelConfig, Re
         .map_err(|e| parse_err(e.to_string()))
 }
 
+/// `config` as Triton's `/config` endpoints return it: the protobuf JSON mapping with the
+/// proto field names, enums by name, 64-bit integers as strings and every field present.
+pub fn model_config_json(config: &pb::ModelConfig) -> serde_json::Value {
+    let desc = DESCRIPTORS
+        .get_message_by_name("inference.ModelConfig")
+        .expect("inference.ModelConfig is in the descriptor set");
+    let mut dynamic = DynamicMessage::new(desc);
+    dynamic
+        .transcode_from(config)
+        .expect("pb::ModelConfig is generated from the same descriptor");
+    let options = prost_reflect::SerializeOptions::new()
+        .use_proto_field_name(true)
+        .skip_default_fields(false);
+    dynamic
+        .serialize_with_options(serde_json::value::Serializer, &options)
+        .expect("a protobuf message always maps to JSON")
+}
+
 /// The text format lets a message field omit its colon, lists included (`input [ {..} ]`,
 /// as every Triton example writes it), but prost-reflect requires one before `[`. Insert
 /// it: after a field name (an identifier that is not a value, i.e. not right after `:`)
@@ -156,6 +174,24 @@ mod tests {
             ref other => panic!("expected dynamic batching, got {other:?}"),
         }
         assert_eq!(cfg.parameters["a"].string_value, "b");
+    }
+
+    #[test]
+    fn the_config_maps_to_triton_style_json() {
+        let c = parse_model_config(
+            "m",
+            r#"name: "m" max_batch_size: 8
+               input [ { name: "x" data_type: TYPE_FP32 dims: [ 3, 4 ] } ]
+               dynamic_batching { max_queue_delay_microseconds: 100 }"#,
+        )
+        .unwrap();
+        let j = model_config_json(&c);
+        assert_eq!(j["name"], "m");
+        assert_eq!(j["max_batch_size"], 8);
+        assert_eq!(j["input"][0]["data_type"], "TYPE_FP32");
+        assert_eq!(j["input"][0]["dims"], serde_json::json!(["3", "4"]));
+        assert_eq!(j["dynamic_batching"]["max_queue_delay_microseconds"], "100");
+        assert_eq!(j["platform"], "", "fields at their default are present");
     }
 
     #[test]

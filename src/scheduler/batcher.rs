@@ -156,8 +156,8 @@ impl Queue {
             .min()
     }
 
-    /// Takes up to `n` rows, highest priority first. Only jobs with the same normalization
-    /// share a batch, since the whole batch is normalized at once on the device. Calls
+    /// Takes up to `n` rows, highest priority first. Only jobs with the same row format
+    /// (normalization) share a batch, since the whole batch is normalized at once on the device. Calls
     /// `started(job)` for each job whose first rows leave the queue.
     fn cut(&mut self, n: usize, mut started: impl FnMut(&JobState)) -> Batch {
         let mut parts: Vec<(Arc<JobState>, std::ops::Range<usize>)> = Vec::new();
@@ -168,7 +168,7 @@ impl Queue {
             };
             let front = level.front_mut().expect("level is not empty");
             if let Some((first, _)) = parts.first() {
-                if first.job.normalize != front.job.job.normalize {
+                if first.job.format != front.job.job.format {
                     break;
                 }
             }
@@ -301,7 +301,7 @@ mod tests {
     use super::*;
     use crate::domain::Normalize;
     use crate::engine::OutputRequest;
-    use crate::scheduler::{InferJob, JobResult, QueuePolicy};
+    use crate::scheduler::{InferJob, JobResult, QueuePolicy, RowFormat};
     use std::time::Duration;
     use tokio::sync::{oneshot, Semaphore};
 
@@ -314,10 +314,10 @@ mod tests {
         let (tx, rx) = oneshot::channel();
         let job = InferJob {
             rows: vec![vec![0u8; 3]; rows],
-            normalize: Normalize {
+            format: RowFormat::Image(Normalize {
                 mean: [mean; 3],
                 std: [1.0; 3],
-            },
+            }),
             want: OutputRequest {
                 top_k: 1,
                 logits: false,

@@ -8,8 +8,8 @@ use std::sync::Mutex;
 use lru::LruCache;
 use xxhash_rust::xxh3::Xxh3;
 
-use super::RowOutput;
-use crate::domain::{ClassScore, Normalize};
+use super::{RowFormat, RowOutput};
+use crate::domain::ClassScore;
 use crate::engine::OutputRequest;
 
 /// 128-bit xxh3 of everything that decides a row's output; a collision among 2^64 keys
@@ -49,7 +49,7 @@ impl ResponseCache {
     pub fn key(
         model: &str,
         version: u64,
-        normalize: &Normalize,
+        format: &RowFormat,
         want: OutputRequest,
         row: &[u8],
     ) -> CacheKey {
@@ -57,8 +57,14 @@ impl ResponseCache {
         h.update(&(model.len() as u64).to_le_bytes());
         h.update(model.as_bytes());
         h.update(&version.to_le_bytes());
-        for v in normalize.mean.iter().chain(&normalize.std) {
-            h.update(&v.to_bits().to_le_bytes());
+        match format {
+            RowFormat::Image(n) => {
+                h.update(&[0]);
+                for v in n.mean.iter().chain(&n.std) {
+                    h.update(&v.to_bits().to_le_bytes());
+                }
+            }
+            RowFormat::TensorF32 => h.update(&[1]),
         }
         h.update(&(want.top_k as u64).to_le_bytes());
         h.update(&[u8::from(want.logits)]);
@@ -135,10 +141,12 @@ mod tests {
         }
     }
 
-    const N: Normalize = Normalize {
+    use crate::domain::Normalize;
+
+    const N: RowFormat = RowFormat::Image(Normalize {
         mean: [0.5; 3],
         std: [0.5; 3],
-    };
+    });
     const TOP1: OutputRequest = OutputRequest {
         top_k: 1,
         logits: false,
@@ -151,11 +159,13 @@ mod tests {
         assert_ne!(k, ResponseCache::key("n", 1, &N, TOP1, b"row"));
         assert_ne!(k, ResponseCache::key("m", 2, &N, TOP1, b"row"));
         assert_ne!(k, ResponseCache::key("m", 1, &N, TOP1, b"rox"));
-        let other = Normalize {
+        let other = RowFormat::Image(Normalize {
             mean: [0.4; 3],
-            ..N
-        };
+            std: [0.5; 3],
+        });
         assert_ne!(k, ResponseCache::key("m", 1, &other, TOP1, b"row"));
+        let tensor = RowFormat::TensorF32;
+        assert_ne!(k, ResponseCache::key("m", 1, &tensor, TOP1, b"row"));
         let top5 = OutputRequest { top_k: 5, ..TOP1 };
         assert_ne!(k, ResponseCache::key("m", 1, &N, top5, b"row"));
     }

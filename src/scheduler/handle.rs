@@ -68,6 +68,8 @@ struct Inner {
     /// The instance threads, joined on shutdown so no libtorch module outlives the gateway
     /// (a module still being torn down while the process exits can crash it).
     threads: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// When the last request finished, in ms since the epoch (0: none yet).
+    last_inference_ms: std::sync::atomic::AtomicU64,
 }
 
 /// Cheap to clone; every transport calls the same handle.
@@ -91,6 +93,13 @@ impl ModelHandle {
 
     pub fn is_ready(&self) -> bool {
         self.state() == ModelState::Ready
+    }
+
+    /// When the last request finished (Triton's `last_inference`), in ms since the epoch.
+    pub fn last_inference_ms(&self) -> u64 {
+        self.inner
+            .last_inference_ms
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Resolves once every instance is loaded and warmed up, or the load failed.
@@ -166,6 +175,12 @@ impl ModelHandle {
     }
 
     fn account(&self, result: &JobResult, started: Instant) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        self.inner
+            .last_inference_ms
+            .store(now, std::sync::atomic::Ordering::Relaxed);
         match result {
             Ok(_) => {
                 let version = self.inner.version.to_string();
@@ -335,7 +350,7 @@ fn lookup(
             ResponseCache::key(
                 inner.name.as_str(),
                 inner.version.0,
-                &job.normalize,
+                &job.format,
                 job.want,
                 row,
             )
@@ -468,6 +483,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         inner: Arc::new(Inner {
             stop,
             threads: std::sync::Mutex::new(threads),
+            last_inference_ms: Default::default(),
             name: settings.name,
             version: settings.version,
             metrics: settings.metrics,

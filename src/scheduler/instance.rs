@@ -4,10 +4,9 @@ use std::panic::AssertUnwindSafe;
 
 use std::sync::Arc;
 
-use ndarray::Array4;
 use tokio::sync::{mpsc, oneshot};
 
-use super::{Batch, RowOutput, SchedulerError};
+use super::{Batch, RowFormat, RowOutput, SchedulerError};
 use crate::domain::InstanceId;
 use crate::engine::{BatchInput, ComputeTimings, Engine, OutputRequest};
 use crate::telemetry::{micros, Metrics};
@@ -69,35 +68,51 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
         }
     };
     // Rows of this batch come from one or more requests (merged) or are a range of a larger
-    // one (split), so the contiguous [N, H, W, C] batch buffer is assembled here, one row
-    // copy each, and reaches libtorch as a single slice.
-    let mut data = Vec::with_capacity(batch.rows() * ctx.height * ctx.width * 3);
-    let mut want = OutputRequest::default();
-    let mut normalize = None;
-    for (job, range) in &batch.parts {
-        for row in &job.job.rows[range.clone()] {
-            data.extend_from_slice(row);
-        }
-        want = want.merge(job.job.want);
-        normalize.get_or_insert(job.job.normalize);
-    }
-    let Some(normalize) = normalize else {
+    // one (split), so the contiguous batch buffer is assembled here, one row copy each, and
+    // reaches libtorch as a single slice. The batcher only merges rows of one format.
+    let Some(format) = batch.parts.first().map(|(job, _)| job.job.format) else {
         return true;
     };
-    let images = match Array4::from_shape_vec((batch.rows(), ctx.height, ctx.width, 3), data) {
-        Ok(images) => images,
-        Err(e) => {
-            fail(format!("rows do not have the model's input size: {e}"));
+    let want = batch
+        .parts
+        .iter()
+        .fold(OutputRequest::default(), |w, (job, _)| {
+            w.merge(job.job.want)
+        });
+    let row_bytes = |elem: usize| ctx.height * ctx.width * 3 * elem;
+    let mut bytes = Vec::with_capacity(batch.rows() * row_bytes(1));
+    let mut tensors: Vec<f32> = Vec::new();
+    for (job, range) in &batch.parts {
+        for row in &job.job.rows[range.clone()] {
+            match format {
+                RowFormat::Image(_) => bytes.extend_from_slice(row),
+                RowFormat::TensorF32 => tensors.extend(
+                    row.chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                ),
+            }
+        }
+    }
+    let rows = batch.rows();
+    let input = match format {
+        RowFormat::Image(normalize) if bytes.len() == rows * row_bytes(1) => BatchInput::Images {
+            data: &bytes,
+            height: ctx.height,
+            width: ctx.width,
+            normalize,
+        },
+        RowFormat::TensorF32 if tensors.len() == rows * row_bytes(1) => BatchInput::Tensors {
+            data: &tensors,
+            height: ctx.height,
+            width: ctx.width,
+        },
+        _ => {
+            fail(format!(
+                "rows do not have the model's input size {}x{}x3",
+                ctx.height, ctx.width
+            ));
             return true;
         }
-    };
-    let input = BatchInput::Images {
-        data: images
-            .as_slice()
-            .expect("an array built from a Vec is contiguous"),
-        height: ctx.height,
-        width: ctx.width,
-        normalize,
     };
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| engine.run(input, want)));
     match result {

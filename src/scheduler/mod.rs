@@ -59,12 +59,21 @@ impl SchedulerError {
     }
 }
 
+/// What the bytes of a job's rows are. Only rows of one format share a batch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RowFormat {
+    /// u8 HWC RGB images of the model's input size, normalized on the device.
+    Image(Normalize),
+    /// f32 CHW tensors of the model's input size (little-endian bytes), already
+    /// preprocessed: a caller of the classifier itself.
+    TensorF32,
+}
+
 /// A request's rows and what it wants back.
 #[derive(Debug)]
 pub struct InferJob {
-    /// u8 HWC images of the model's input size.
     pub rows: Vec<Row>,
-    pub normalize: Normalize,
+    pub format: RowFormat,
     pub want: OutputRequest,
 }
 

@@ -27,12 +27,25 @@ class Server:
         binary = os.environ.get("VISIONGATE_BIN")
         assert binary and os.path.exists(binary), "VISIONGATE_BIN must point at the built binary (make test sets it)"
         self.port = free_port()
+        self.grpc_port = free_port()
+        self.metrics_port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        # What tritonclient's http and grpc clients take as `url`.
+        self.http_url = f"127.0.0.1:{self.port}"
+        self.grpc_url = f"127.0.0.1:{self.grpc_port}"
         # The log goes to a file: a pipe nobody reads would block the server once full.
         self.log_path = Path(tempfile.mkdtemp(prefix="visiongate-test-")) / "server.log"
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [binary, "--host", "127.0.0.1", "--http-port", str(self.port), "--model-repository", str(ROOT / "models"), *args],
+            [
+                binary,
+                "--host", "127.0.0.1",
+                "--http-port", str(self.port),
+                "--grpc-port", str(self.grpc_port),
+                "--metrics-port", str(self.metrics_port),
+                "--model-repository", str(ROOT / "models"),
+                *args,
+            ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )

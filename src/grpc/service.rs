@@ -1,0 +1,267 @@
+//! The gRPC service: each RPC resolves the model through `kserve` (so an unknown model is
+//! NOT_FOUND before its inputs are looked at) and converts the answer.
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures_util::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+use super::convert;
+use super::pb::{self, grpc_inference_service_server::GrpcInferenceService};
+use crate::kserve;
+use crate::state::AppState;
+
+#[derive(Clone)]
+pub struct InferenceService {
+    state: Arc<AppState>,
+}
+
+impl InferenceService {
+    pub fn new(state: Arc<AppState>) -> Self {
+        Self { state }
+    }
+}
+
+fn version(v: &str) -> Option<&str> {
+    Some(v).filter(|v| !v.is_empty())
+}
+
+fn unimplemented(what: &str) -> Status {
+    Status::unimplemented(format!(
+        "{what} is not supported by visiongate: send tensors in the request \
+         (raw_input_contents or contents) instead"
+    ))
+}
+
+type StreamInferResponses =
+    Pin<Box<dyn Stream<Item = Result<pb::ModelStreamInferResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl GrpcInferenceService for InferenceService {
+    async fn server_live(
+        &self,
+        _: Request<pb::ServerLiveRequest>,
+    ) -> Result<Response<pb::ServerLiveResponse>, Status> {
+        Ok(Response::new(pb::ServerLiveResponse { live: true }))
+    }
+
+    async fn server_ready(
+        &self,
+        _: Request<pb::ServerReadyRequest>,
+    ) -> Result<Response<pb::ServerReadyResponse>, Status> {
+        Ok(Response::new(pb::ServerReadyResponse {
+            ready: self.state.is_ready(),
+        }))
+    }
+
+    async fn model_ready(
+        &self,
+        request: Request<pb::ModelReadyRequest>,
+    ) -> Result<Response<pb::ModelReadyResponse>, Status> {
+        let r = request.into_inner();
+        // As Triton: a model or version that is not loaded is simply not ready.
+        let ready = kserve::resolve(&self.state, &r.name, version(&r.version))
+            .is_ok_and(|served| served.is_ready());
+        Ok(Response::new(pb::ModelReadyResponse { ready }))
+    }
+
+    async fn server_metadata(
+        &self,
+        _: Request<pb::ServerMetadataRequest>,
+    ) -> Result<Response<pb::ServerMetadataResponse>, Status> {
+        Ok(Response::new(pb::ServerMetadataResponse {
+            name: kserve::SERVER_NAME.to_string(),
+            version: kserve::SERVER_VERSION.to_string(),
+            extensions: kserve::EXTENSIONS.iter().map(|e| e.to_string()).collect(),
+        }))
+    }
+
+    async fn model_metadata(
+        &self,
+        request: Request<pb::ModelMetadataRequest>,
+    ) -> Result<Response<pb::ModelMetadataResponse>, Status> {
+        let r = request.into_inner();
+        let served = kserve::resolve(&self.state, &r.name, version(&r.version))?;
+        Ok(Response::new(convert::model_metadata(
+            kserve::model_metadata(served.repository_model()),
+        )))
+    }
+
+    async fn model_infer(
+        &self,
+        request: Request<pb::ModelInferRequest>,
+    ) -> Result<Response<pb::ModelInferResponse>, Status> {
+        let r = request.into_inner();
+        // The model first: an unknown model is NOT_FOUND whatever its inputs look like.
+        kserve::resolve(&self.state, &r.model_name, version(&r.model_version))?;
+        let request = convert::infer_request(r)?;
+        // A client that cancels drops this future, and with it the request's queued rows.
+        let response = kserve::infer(&self.state, request).await?;
+        Ok(Response::new(convert::infer_response(response)))
+    }
+
+    type ModelStreamInferStream = StreamInferResponses;
+
+    /// Each request of the stream is answered in order; an error is reported in the
+    /// response's `error_message` and the stream goes on, as Triton does.
+    async fn model_stream_infer(
+        &self,
+        request: Request<Streaming<pb::ModelInferRequest>>,
+    ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
+        let state = self.state.clone();
+        let requests = request.into_inner();
+        let responses = requests.then(move |r| {
+            let state = state.clone();
+            async move {
+                let r = r?;
+                let id = r.id.clone();
+                let answer = async {
+                    kserve::resolve(&state, &r.model_name, version(&r.model_version))?;
+                    let request = convert::infer_request(r)?;
+                    Ok::<_, Status>(kserve::infer(&state, request).await?)
+                }
+                .await;
+                Ok(match answer {
+                    Ok(response) => pb::ModelStreamInferResponse {
+                        error_message: String::new(),
+                        infer_response: Some(convert::infer_response(response)),
+                    },
+                    Err(status) => pb::ModelStreamInferResponse {
+                        error_message: status.message().to_string(),
+                        infer_response: Some(pb::ModelInferResponse {
+                            id,
+                            ..Default::default()
+                        }),
+                    },
+                })
+            }
+        });
+        Ok(Response::new(Box::pin(responses)))
+    }
+
+    async fn model_config(
+        &self,
+        request: Request<pb::ModelConfigRequest>,
+    ) -> Result<Response<pb::ModelConfigResponse>, Status> {
+        let r = request.into_inner();
+        let served = kserve::resolve(&self.state, &r.name, version(&r.version))?;
+        Ok(Response::new(pb::ModelConfigResponse {
+            config: Some(served.repository_model().config.clone()),
+        }))
+    }
+
+    async fn model_statistics(
+        &self,
+        request: Request<pb::ModelStatisticsRequest>,
+    ) -> Result<Response<pb::ModelStatisticsResponse>, Status> {
+        let r = request.into_inner();
+        let stats = kserve::model_statistics(
+            &self.state,
+            Some(r.name.as_str()).filter(|n| !n.is_empty()),
+            version(&r.version),
+        )?;
+        Ok(Response::new(pb::ModelStatisticsResponse {
+            model_stats: stats.into_iter().map(convert::model_statistics).collect(),
+        }))
+    }
+
+    async fn repository_index(
+        &self,
+        request: Request<pb::RepositoryIndexRequest>,
+    ) -> Result<Response<pb::RepositoryIndexResponse>, Status> {
+        let r = request.into_inner();
+        let models = kserve::repository_index(&self.state, r.ready)
+            .into_iter()
+            .map(|e| pb::repository_index_response::ModelIndex {
+                name: e.name,
+                version: e.version,
+                state: e.state,
+                reason: e.reason,
+            })
+            .collect();
+        Ok(Response::new(pb::RepositoryIndexResponse { models }))
+    }
+
+    async fn repository_model_load(
+        &self,
+        request: Request<pb::RepositoryModelLoadRequest>,
+    ) -> Result<Response<pb::RepositoryModelLoadResponse>, Status> {
+        let r = request.into_inner();
+        Err(Status::failed_precondition(format!(
+            "cannot load model '{}': model control is not enabled",
+            r.model_name
+        )))
+    }
+
+    async fn repository_model_unload(
+        &self,
+        request: Request<pb::RepositoryModelUnloadRequest>,
+    ) -> Result<Response<pb::RepositoryModelUnloadResponse>, Status> {
+        let r = request.into_inner();
+        Err(Status::failed_precondition(format!(
+            "cannot unload model '{}': model control is not enabled",
+            r.model_name
+        )))
+    }
+
+    async fn system_shared_memory_status(
+        &self,
+        _: Request<pb::SystemSharedMemoryStatusRequest>,
+    ) -> Result<Response<pb::SystemSharedMemoryStatusResponse>, Status> {
+        Err(unimplemented("system shared memory"))
+    }
+
+    async fn system_shared_memory_register(
+        &self,
+        _: Request<pb::SystemSharedMemoryRegisterRequest>,
+    ) -> Result<Response<pb::SystemSharedMemoryRegisterResponse>, Status> {
+        Err(unimplemented("system shared memory"))
+    }
+
+    async fn system_shared_memory_unregister(
+        &self,
+        _: Request<pb::SystemSharedMemoryUnregisterRequest>,
+    ) -> Result<Response<pb::SystemSharedMemoryUnregisterResponse>, Status> {
+        Err(unimplemented("system shared memory"))
+    }
+
+    async fn cuda_shared_memory_status(
+        &self,
+        _: Request<pb::CudaSharedMemoryStatusRequest>,
+    ) -> Result<Response<pb::CudaSharedMemoryStatusResponse>, Status> {
+        Err(unimplemented("CUDA shared memory"))
+    }
+
+    async fn cuda_shared_memory_register(
+        &self,
+        _: Request<pb::CudaSharedMemoryRegisterRequest>,
+    ) -> Result<Response<pb::CudaSharedMemoryRegisterResponse>, Status> {
+        Err(unimplemented("CUDA shared memory"))
+    }
+
+    async fn cuda_shared_memory_unregister(
+        &self,
+        _: Request<pb::CudaSharedMemoryUnregisterRequest>,
+    ) -> Result<Response<pb::CudaSharedMemoryUnregisterResponse>, Status> {
+        Err(unimplemented("CUDA shared memory"))
+    }
+
+    async fn trace_setting(
+        &self,
+        _: Request<pb::TraceSettingRequest>,
+    ) -> Result<Response<pb::TraceSettingResponse>, Status> {
+        Err(Status::unimplemented(
+            "trace settings are not supported by visiongate; use the Prometheus metrics on \
+             the metrics port and the server log (RUST_LOG)",
+        ))
+    }
+
+    async fn log_settings(
+        &self,
+        _: Request<pb::LogSettingsRequest>,
+    ) -> Result<Response<pb::LogSettingsResponse>, Status> {
+        Err(Status::unimplemented(
+            "log settings cannot be changed at run time; set RUST_LOG when starting visiongate",
+        ))
+    }
+}

@@ -1,0 +1,110 @@
+//! KServe v2 read-only endpoints: server metadata, model metadata and readiness, with
+//! Triton's shapes and datatype names, and JSON errors for unknown models and versions.
+mod common;
+
+use std::time::Duration;
+
+use common::TestGateway;
+use serde_json::json;
+use visiongate::config::Config;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn v2_metadata_and_readiness_describe_the_repository() {
+    let gw = TestGateway::start_fake(Config::for_tests(), Duration::from_millis(1)).await;
+    let get = |path: &'static str| {
+        let gw = &gw;
+        async move {
+            let r = gw.client.get(gw.url(path)).send().await.unwrap();
+            let status = r.status().as_u16();
+            let text = r.text().await.unwrap();
+            (
+                status,
+                serde_json::from_str::<serde_json::Value>(&text).unwrap_or(json!(text)),
+            )
+        }
+    };
+
+    let (status, server) = get("/v2").await;
+    assert_eq!(status, 200);
+    assert_eq!(server["name"], "visiongate");
+    assert!(server["extensions"].is_array());
+
+    let (status, classifier) = get("/v2/models/classifier").await;
+    assert_eq!(status, 200, "{classifier}");
+    assert_eq!(
+        classifier,
+        json!({
+            "name": "classifier",
+            "versions": ["1"],
+            "platform": "pytorch_libtorch",
+            "inputs": [{"name": "input__0", "datatype": "FP32", "shape": [-1, 3, 224, 224]}],
+            "outputs": [{"name": "output__0", "datatype": "FP32", "shape": [-1, 1000]}],
+        })
+    );
+    let (status, ensemble) = get("/v2/models/ensemble_model/versions/1").await;
+    assert_eq!(status, 200, "{ensemble}");
+    assert_eq!(ensemble["platform"], "ensemble");
+    assert_eq!(ensemble["inputs"][0]["name"], "RAW_IMAGE");
+    assert_eq!(ensemble["inputs"][0]["datatype"], "UINT8");
+
+    for ready in [
+        "/v2/models/classifier/ready",
+        "/v2/models/preprocessor/ready",
+        "/v2/models/ensemble_model/versions/1/ready",
+    ] {
+        assert_eq!(get(ready).await.0, 200, "{ready}");
+    }
+
+    let (status, body) = get("/v2/models/resnet50").await;
+    assert_eq!(status, 404);
+    assert_eq!(body["code"], "not_found");
+    assert!(body["error"].as_str().unwrap().contains("resnet50"));
+    let (status, body) = get("/v2/models/classifier/versions/7/ready").await;
+    assert_eq!(status, 404);
+    assert!(
+        body["error"].as_str().unwrap().contains("no version 7"),
+        "{body}"
+    );
+    let (status, body) = get("/v2/models/classifier/versions/latest").await;
+    assert_eq!(status, 400);
+    assert_eq!(body["code"], "invalid_input");
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn v2_config_returns_the_model_config_as_on_disk() {
+    let gw = TestGateway::start_fake(Config::for_tests(), Duration::from_millis(1)).await;
+    for path in [
+        "/v2/models/classifier/config",
+        "/v2/models/classifier/versions/1/config",
+    ] {
+        let r = gw.client.get(gw.url(path)).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 200, "{path}");
+        let c: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(c["name"], "classifier");
+        assert_eq!(c["platform"], "pytorch_libtorch");
+        assert_eq!(c["max_batch_size"], 64);
+        assert_eq!(c["input"][0]["name"], "input__0");
+        assert_eq!(c["input"][0]["data_type"], "TYPE_FP32");
+        assert_eq!(c["input"][0]["dims"], json!(["3", "224", "224"]));
+        assert_eq!(c["output"][0]["label_filename"], "labels.txt");
+        assert_eq!(
+            c["instance_group"],
+            json!([{"name": "", "kind": "KIND_GPU", "count": 2, "gpus": [0, 1],
+                    "secondary_devices": [], "profile": [], "passive": false,
+                    "host_policy": ""}])
+        );
+        assert_eq!(
+            c["dynamic_batching"]["preferred_batch_size"],
+            json!([1, 2, 4, 8, 16, 32])
+        );
+    }
+    let r = gw
+        .client
+        .get(gw.url("/v2/models/nope/config"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    gw.stop().await;
+}
