@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use clap::Parser;
 
+use crate::state::{ControlMode, ControlSettings};
+
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "visiongate",
@@ -15,6 +17,36 @@ pub struct Config {
     /// Model repository in Triton layout (<model>/config.pbtxt, <model>/<version>/...).
     #[arg(long, env = "VISIONGATE_MODEL_REPOSITORY", default_value = "models")]
     pub model_repository: PathBuf,
+
+    /// How the model set changes while running (Triton's `--model-control-mode`): `none`
+    /// loads every model at start-up and keeps them; `poll` also re-reads the repository
+    /// every `--repository-poll-secs` and reloads changed models, loads new ones and
+    /// unloads removed ones; `explicit` loads only `--load-model` models at start-up and
+    /// takes load/unload requests (which also need `--repository-control-key`).
+    #[arg(
+        long,
+        env = "VISIONGATE_MODEL_CONTROL_MODE",
+        value_enum,
+        default_value = "none"
+    )]
+    pub model_control_mode: ControlMode,
+
+    /// Seconds between repository polls in `poll` mode.
+    #[arg(long, env = "VISIONGATE_REPOSITORY_POLL_SECS", default_value_t = 15)]
+    pub repository_poll_secs: u64,
+
+    /// In `explicit` mode, a model to load at start-up (repeat the flag, or `*` for all).
+    #[arg(
+        long = "load-model",
+        env = "VISIONGATE_LOAD_MODEL",
+        value_delimiter = ','
+    )]
+    pub load_models: Vec<String>,
+
+    /// `<header>=<key>`: load and unload requests must carry this header with this value
+    /// (Triton's restricted API). Without it they are refused (403 / PERMISSION_DENIED).
+    #[arg(long, env = "VISIONGATE_REPOSITORY_CONTROL_KEY")]
+    pub repository_control_key: Option<String>,
 
     /// Address to listen on. 0.0.0.0 serves every interface; 127.0.0.1 only this host.
     #[arg(long, env = "VISIONGATE_HOST", default_value = "0.0.0.0")]
@@ -104,6 +136,7 @@ pub struct Settings {
     pub http_workers: usize,
     /// How long a stopping server lets in-flight requests finish.
     pub shutdown_grace: Duration,
+    pub control: ControlSettings,
 }
 
 impl Config {
@@ -119,6 +152,29 @@ impl Config {
                 "--max-files, --intra-op-threads and --max-queue-size must be at least 1".into(),
             );
         }
+        let api_key =
+            match &self.repository_control_key {
+                None => None,
+                Some(v) => match v.split_once('=') {
+                    Some((h, k)) if !h.trim().is_empty() && !k.is_empty() => {
+                        Some((h.trim().to_ascii_lowercase(), k.to_string()))
+                    }
+                    _ => return Err(
+                        "--repository-control-key must be <header>=<key>, e.g. x-admin-key=secret"
+                            .into(),
+                    ),
+                },
+            };
+        if self.repository_poll_secs == 0 {
+            return Err("--repository-poll-secs must be at least 1".into());
+        }
+        let control = ControlSettings {
+            mode: self.model_control_mode,
+            repository: self.model_repository.clone(),
+            poll_interval: Duration::from_secs(self.repository_poll_secs),
+            startup_models: self.load_models.clone(),
+            api_key,
+        };
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         Ok(Settings {
             decode_threads: if self.decode_threads == 0 {
@@ -132,6 +188,7 @@ impl Config {
                 self.http_workers
             },
             shutdown_grace: Duration::from_secs(30),
+            control,
             config: self,
         })
     }

@@ -25,7 +25,7 @@ use anyhow::Context;
 use config::Settings;
 use engine::{Engine, FakeEngine, TorchEngine};
 use scheduler::{EngineFactory, ModelState};
-use state::{AppState, BuildOptions, ServedModel, UploadLimits};
+use state::{AppState, BuildOptions, UploadLimits};
 
 /// Which engine runs the classifiers.
 #[derive(Clone)]
@@ -49,6 +49,7 @@ pub struct Gateway {
     metrics_server: actix_web::dev::ServerHandle,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
     grpc_stop: tokio_util::sync::CancellationToken,
+    poll_stop: tokio_util::sync::CancellationToken,
     grpc_task: tokio::task::JoinHandle<()>,
 }
 
@@ -92,7 +93,7 @@ impl Gateway {
                 metrics: Arc::new(telemetry::Metrics::new()),
                 gpu_count,
                 default_queue_size: cfg.max_queue_size,
-                cache_bytes: cfg.cache_size,
+                cache: Arc::new(scheduler::ResponseCache::new(cfg.cache_size)),
                 max_image_pixels: cfg.max_image_pixels,
                 dct_override: cfg.dct_scaling_min_side,
                 decode_threads: settings.decode_threads,
@@ -102,7 +103,12 @@ impl Gateway {
                     max_body_bytes: cfg.max_body_bytes,
                 },
             },
+            settings.control.clone(),
         ));
+        let poll_stop = tokio_util::sync::CancellationToken::new();
+        if settings.control.mode == state::ControlMode::Poll {
+            tokio::spawn(state.clone().into_inner().poll_loop(poll_stop.clone()));
+        }
 
         let app_state = state.clone();
         let server = HttpServer::new(move || {
@@ -168,6 +174,7 @@ impl Gateway {
             grpc_addr,
             grpc_stop,
             grpc_task,
+            poll_stop,
             metrics_addr,
             state,
             server: handle,
@@ -179,14 +186,9 @@ impl Gateway {
     /// Waits until every model has loaded (or failed); returns the failures.
     pub async fn wait_ready(&self) -> Vec<String> {
         let mut failures = Vec::new();
-        for (name, model) in &self.state.models {
-            let handle = match model {
-                ServedModel::Classifier { handle, .. } => handle,
-                ServedModel::Ensemble { pipeline, .. } => &pipeline.classifier,
-                ServedModel::Preprocessor { .. } => continue,
-            };
+        for handle in self.state.handles() {
             if let ModelState::Failed(e) = handle.wait_loaded().await {
-                failures.push(format!("{name}: {e}"));
+                failures.push(format!("{}: {e}", handle.name()));
             }
         }
         failures
@@ -194,15 +196,14 @@ impl Gateway {
 
     /// Stops accepting, lets in-flight requests finish, then returns.
     pub async fn stop(self) {
+        self.poll_stop.cancel();
         self.server.stop(true).await;
         let _ = self.task.await;
         self.grpc_stop.cancel();
         let _ = self.grpc_task.await;
         self.metrics_server.stop(true).await;
-        for model in self.state.models.values() {
-            if let ServedModel::Classifier { handle, .. } = model {
-                handle.shutdown().await;
-            }
+        for handle in self.state.handles() {
+            handle.shutdown().await;
         }
     }
 }

@@ -9,7 +9,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::convert;
 use super::pb::{self, grpc_inference_service_server::GrpcInferenceService};
 use crate::kserve;
-use crate::state::AppState;
+use crate::state::{load_parameters, unload_parameters, AppState, ControlParam};
 
 #[derive(Clone)]
 pub struct InferenceService {
@@ -31,6 +31,36 @@ fn unimplemented(what: &str) -> Status {
         "{what} is not supported by visiongate: send tensors in the request \
          (raw_input_contents or contents) instead"
     ))
+}
+
+/// A request header (gRPC metadata, lower-case keys) by name.
+fn metadata_of<T>(request: &Request<T>) -> impl Fn(&str) -> Option<String> + '_ {
+    |name| {
+        request
+            .metadata()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    }
+}
+
+/// Load/unload parameters as the transport-neutral `ControlParam`.
+fn control_params(
+    params: std::collections::HashMap<String, pb::ModelRepositoryParameter>,
+) -> Vec<(String, ControlParam)> {
+    use pb::model_repository_parameter::ParameterChoice;
+    params
+        .into_iter()
+        .map(|(name, p)| {
+            let value = match p.parameter_choice {
+                Some(ParameterChoice::BoolParam(b)) => ControlParam::Bool(b),
+                Some(ParameterChoice::Int64Param(i)) => ControlParam::Int(i),
+                Some(ParameterChoice::StringParam(s)) => ControlParam::Text(s),
+                Some(ParameterChoice::BytesParam(_)) | None => ControlParam::Other,
+            };
+            (name, value)
+        })
+        .collect()
 }
 
 type StreamInferResponses =
@@ -83,7 +113,7 @@ impl GrpcInferenceService for InferenceService {
         let r = request.into_inner();
         let served = kserve::resolve(&self.state, &r.name, version(&r.version))?;
         Ok(Response::new(convert::model_metadata(
-            kserve::model_metadata(served.repository_model()),
+            kserve::model_metadata(&self.state, served.repository_model()),
         )))
     }
 
@@ -186,22 +216,22 @@ impl GrpcInferenceService for InferenceService {
         &self,
         request: Request<pb::RepositoryModelLoadRequest>,
     ) -> Result<Response<pb::RepositoryModelLoadResponse>, Status> {
+        self.state.authorize_control(metadata_of(&request))?;
         let r = request.into_inner();
-        Err(Status::failed_precondition(format!(
-            "cannot load model '{}': model control is not enabled",
-            r.model_name
-        )))
+        let config = load_parameters(control_params(r.parameters))?;
+        self.state.load_model(&r.model_name, config).await?;
+        Ok(Response::new(pb::RepositoryModelLoadResponse {}))
     }
 
     async fn repository_model_unload(
         &self,
         request: Request<pb::RepositoryModelUnloadRequest>,
     ) -> Result<Response<pb::RepositoryModelUnloadResponse>, Status> {
+        self.state.authorize_control(metadata_of(&request))?;
         let r = request.into_inner();
-        Err(Status::failed_precondition(format!(
-            "cannot unload model '{}': model control is not enabled",
-            r.model_name
-        )))
+        let dependents = unload_parameters(control_params(r.parameters))?;
+        self.state.unload_model(&r.model_name, dependents).await?;
+        Ok(Response::new(pb::RepositoryModelUnloadResponse {}))
     }
 
     async fn system_shared_memory_status(

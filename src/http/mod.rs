@@ -27,7 +27,15 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: web::Data<AppState>) {
         .route("/v2/health/ready", web::get().to(health::ready))
         .route("/v2", web::get().to(v2::server_metadata))
         .route("/v2/models/stats", web::get().to(v2::model_stats))
-        .route("/v2/repository/index", web::post().to(v2::repository_index));
+        .route("/v2/repository/index", web::post().to(v2::repository_index))
+        .route(
+            "/v2/repository/models/{model}/load",
+            web::post().to(v2::load_model),
+        )
+        .route(
+            "/v2/repository/models/{model}/unload",
+            web::post().to(v2::unload_model),
+        );
     // Each model route with and without `/versions/{version}`.
     for base in [
         "/v2/models/{model}",

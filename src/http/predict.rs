@@ -147,7 +147,7 @@ async fn classify(
         ));
     }
     let model_name = query.model.as_deref().unwrap_or(DEFAULT_MODEL);
-    let pipeline = state.image_pipeline(model_name)?.clone();
+    let pipeline = state.image_pipeline(model_name)?;
     let top_k = query.top_k.unwrap_or(DEFAULT_TOP_K);
     if top_k == 0 || top_k > pipeline.num_classes {
         return Err(invalid(format!(

@@ -1,13 +1,13 @@
 //! KServe v2 REST (Triton's HTTP protocol): server and model metadata, readiness,
 //! configuration, statistics and the repository index. Inference is in `v2_infer`. Every
 //! answer comes from `kserve`, which gRPC shares.
-use actix_web::{web, HttpResponse};
+use actix_web::{web, HttpRequest, HttpResponse};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ErrorKind, GatewayError};
 use crate::kserve;
 use crate::repository::model_config_json;
-use crate::state::{AppState, ServedModel};
+use crate::state::{load_parameters, unload_parameters, AppState, ControlParam, ServedModel};
 
 #[derive(Serialize)]
 struct ServerMetadata {
@@ -32,7 +32,7 @@ pub struct ModelPath {
 }
 
 impl ModelPath {
-    fn served<'a>(&self, state: &'a AppState) -> Result<&'a ServedModel, GatewayError> {
+    fn served(&self, state: &AppState) -> Result<ServedModel, GatewayError> {
         kserve::resolve(state, &self.model, self.version.as_deref())
     }
 }
@@ -42,7 +42,7 @@ pub async fn model_metadata(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
     let served = path.served(&state)?;
-    Ok(HttpResponse::Ok().json(kserve::model_metadata(served.repository_model())))
+    Ok(HttpResponse::Ok().json(kserve::model_metadata(&state, served.repository_model())))
 }
 
 pub async fn model_config(
@@ -110,4 +110,77 @@ pub async fn repository_index(
         })?
     };
     Ok(HttpResponse::Ok().json(kserve::repository_index(&state, request.ready)))
+}
+
+#[derive(Deserialize, Default)]
+pub struct ControlRequest {
+    #[serde(default)]
+    parameters: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The parameters of a load or unload request body (an empty body has none).
+fn control_parameters(body: &web::Bytes) -> Result<Vec<(String, ControlParam)>, GatewayError> {
+    let request: ControlRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        ControlRequest::default()
+    } else {
+        serde_json::from_slice(body).map_err(|e| {
+            GatewayError::new(
+                ErrorKind::InvalidInput,
+                format!("malformed repository request: {e}"),
+            )
+        })?
+    };
+    Ok(request
+        .parameters
+        .into_iter()
+        .map(|(name, value)| {
+            let value = match value {
+                serde_json::Value::Bool(b) => ControlParam::Bool(b),
+                serde_json::Value::String(s) => ControlParam::Text(s),
+                serde_json::Value::Number(n) => {
+                    n.as_i64().map_or(ControlParam::Other, ControlParam::Int)
+                }
+                _ => ControlParam::Other,
+            };
+            (name, value)
+        })
+        .collect())
+}
+
+fn header_of(req: &HttpRequest) -> impl Fn(&str) -> Option<String> + '_ {
+    |name| {
+        req.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    }
+}
+
+/// `POST /v2/repository/models/{m}/load`: loads or reloads the model from the repository
+/// (explicit mode, with the control key), with the `config` parameter instead of its
+/// `config.pbtxt` when given. Returns once it serves.
+pub async fn load_model(
+    req: HttpRequest,
+    path: web::Path<String>,
+    body: web::Bytes,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, GatewayError> {
+    state.authorize_control(header_of(&req))?;
+    let config = load_parameters(control_parameters(&body)?)?;
+    state.load_model(&path, config).await?;
+    Ok(HttpResponse::Ok().finish())
+}
+
+/// `POST /v2/repository/models/{m}/unload`: the model stops taking requests; those it
+/// admitted finish. `unload_dependents` unloads an ensemble's steps too.
+pub async fn unload_model(
+    req: HttpRequest,
+    path: web::Path<String>,
+    body: web::Bytes,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, GatewayError> {
+    state.authorize_control(header_of(&req))?;
+    let dependents = unload_parameters(control_parameters(&body)?)?;
+    state.unload_model(&path, dependents).await?;
+    Ok(HttpResponse::Ok().finish())
 }

@@ -79,7 +79,7 @@ pub async fn infer(state: &AppState, req: InferRequest) -> Result<InferResponse,
     let (input_name, output_name) = io_names(model);
     let input = single_input(&req, model, input_name)?;
     let wanted = requested_outputs(&req, model, output_name)?;
-    let outputs = match served {
+    let outputs = match &served {
         ServedModel::Ensemble { pipeline, .. } => {
             let images = encoded_images(input, &req.model)?;
             let logits = classify_decoding(

@@ -9,6 +9,7 @@ pub use infer::{infer, InferRequest, InferResponse, OutputTensor, RequestedOutpu
 pub use stats::{model_statistics, DurationStat, ModelStatistics};
 pub use tensor::{encode_bytes_elements, split_bytes_elements, DataType, InputTensor};
 
+use crate::domain::ModelVersion;
 use crate::error::{ErrorKind, GatewayError};
 use crate::repository::{pb, RepositoryModel};
 use crate::state::{AppState, ServedModel};
@@ -41,30 +42,23 @@ pub struct ModelMetadata {
     pub outputs: Vec<TensorMetadata>,
 }
 
-/// The served model called `model` (in version `version` when one is given; empty means
-/// the served one).
-pub fn resolve<'a>(
-    state: &'a AppState,
+/// The served model called `model`, in `version` when one is given (empty means its
+/// newest).
+pub fn resolve(
+    state: &AppState,
     model: &str,
     version: Option<&str>,
-) -> Result<&'a ServedModel, GatewayError> {
-    let served = state.model(model)?;
-    if let Some(v) = version.filter(|v| !v.is_empty()) {
-        let loaded = served.repository_model().version;
-        let asked: u64 = v.parse().map_err(|_| {
+) -> Result<ServedModel, GatewayError> {
+    let version = match version.filter(|v| !v.is_empty()) {
+        None => None,
+        Some(v) => Some(ModelVersion(v.parse().map_err(|_| {
             GatewayError::new(
                 ErrorKind::InvalidInput,
                 format!("model version must be a number, got '{v}'"),
             )
-        })?;
-        if asked != loaded.0 {
-            return Err(GatewayError::new(
-                ErrorKind::NotFound,
-                format!("model '{model}' has no version {asked} loaded (version {loaded} is)"),
-            ));
-        }
-    }
-    Ok(served)
+        })?)),
+    };
+    state.model_version(model, version)
 }
 
 /// Triton's datatype names: the config's `TYPE_X` without the prefix, `STRING` as `BYTES`.
@@ -75,8 +69,9 @@ pub fn datatype_name(t: pb::DataType) -> String {
     }
 }
 
-/// Model metadata as Triton reports it: with batching, the batch dimension is a leading -1.
-pub fn model_metadata(m: &RepositoryModel) -> ModelMetadata {
+/// Model metadata as Triton reports it: with batching, the batch dimension is a leading -1;
+/// `versions` lists every served version of the model.
+pub fn model_metadata(state: &AppState, m: &RepositoryModel) -> ModelMetadata {
     let c = &m.config;
     let shape = |dims: &[i64]| -> Vec<i64> {
         let batch = (c.max_batch_size > 0).then_some(-1);
@@ -84,7 +79,12 @@ pub fn model_metadata(m: &RepositoryModel) -> ModelMetadata {
     };
     ModelMetadata {
         name: m.name.to_string(),
-        versions: vec![m.version.to_string()],
+        versions: state
+            .models()
+            .models
+            .get(&m.name)
+            .map(|v| v.keys().map(|v| v.to_string()).collect())
+            .unwrap_or_else(|| vec![m.version.to_string()]),
         platform: if c.platform.is_empty() {
             c.backend.clone()
         } else {
@@ -117,41 +117,61 @@ pub struct IndexEntry {
     pub name: String,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub version: String,
-    /// `READY`, `LOADING` or `UNAVAILABLE` (Triton's model states).
+    /// `READY`, `LOADING` or `UNAVAILABLE` (Triton's model states); empty for a model
+    /// never loaded.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub state: String,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub reason: String,
 }
 
-/// Every model of the repository, served or not (with why), sorted by name.
+/// Every model of the repository, served or not (with why), sorted by name: one entry
+/// per served version.
 pub fn repository_index(state: &AppState, ready_only: bool) -> Vec<IndexEntry> {
-    let mut out: Vec<IndexEntry> = state
+    let table = state.models();
+    let served = table.all().map(|served| {
+        let m = served.repository_model();
+        let (state, reason) = if served.is_ready() {
+            ("READY", String::new())
+        } else if let Some(why) = served.failure() {
+            ("UNAVAILABLE", why)
+        } else {
+            ("LOADING", String::new())
+        };
+        IndexEntry {
+            name: m.name.to_string(),
+            version: m.version.to_string(),
+            state: state.to_string(),
+            reason,
+        }
+    });
+    let unavailable = table.unavailable.iter().map(|(name, why)| IndexEntry {
+        name: name.clone(),
+        version: String::new(),
+        state: "UNAVAILABLE".to_string(),
+        reason: why.clone(),
+    });
+    // Models of the repository never loaded (explicit mode): the name alone, as Triton.
+    let known: Vec<String> = table
         .models
-        .values()
-        .map(|served| {
-            let m = served.repository_model();
-            let (state, reason) = if served.is_ready() {
-                ("READY", String::new())
-            } else if let Some(why) = served.failure() {
-                ("UNAVAILABLE", why)
-            } else {
-                ("LOADING", String::new())
-            };
-            IndexEntry {
-                name: m.name.to_string(),
-                version: m.version.to_string(),
-                state: state.to_string(),
-                reason,
-            }
-        })
-        .chain(state.failed.iter().map(|(name, why)| IndexEntry {
-            name: name.clone(),
+        .keys()
+        .map(|n| n.to_string())
+        .chain(table.unavailable.keys().cloned())
+        .collect();
+    let never_loaded = crate::repository::model_names(&state.control.repository)
+        .into_iter()
+        .filter(|name| !known.contains(name))
+        .map(|name| IndexEntry {
+            name,
             version: String::new(),
-            state: "UNAVAILABLE".to_string(),
-            reason: why.clone(),
-        }))
+            state: String::new(),
+            reason: String::new(),
+        });
+    let mut out: Vec<IndexEntry> = served
+        .chain(unavailable)
+        .chain(never_loaded)
         .filter(|e| !ready_only || e.state == "READY")
         .collect();
-    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out.sort_by(|a, b| (&a.name, &a.version).cmp(&(&b.name, &b.version)));
     out
 }

@@ -39,17 +39,22 @@ pub fn model_statistics(
     model: Option<&str>,
     version: Option<&str>,
 ) -> Result<Vec<ModelStatistics>, GatewayError> {
-    let mut names: Vec<&str> = match model.filter(|m| !m.is_empty()) {
-        Some(m) => {
-            super::resolve(state, m, version)?;
-            vec![m]
-        }
-        None => state.models.keys().map(|k| k.as_str()).collect(),
+    let served: Vec<ServedModel> = match model.filter(|m| !m.is_empty()) {
+        Some(m) => match version.filter(|v| !v.is_empty()) {
+            Some(_) => vec![super::resolve(state, m, version)?],
+            None => {
+                super::resolve(state, m, None)?;
+                let table = state.models();
+                table.models[&crate::domain::ModelName::new(m)]
+                    .values()
+                    .cloned()
+                    .collect()
+            }
+        },
+        None => state.models().all().cloned().collect(),
     };
-    names.sort_unstable();
-    Ok(names
-        .into_iter()
-        .filter_map(|name| state.models.get(&crate::domain::ModelName::new(name)))
+    Ok(served
+        .iter()
         .map(|served| statistics(&state.metrics, served))
         .collect())
 }

@@ -7,7 +7,7 @@ mod spec;
 
 use std::path::{Path, PathBuf};
 
-pub use parse::{model_config_json, parse_model_config};
+pub use parse::{model_config_json, parse_model_config, parse_model_config_json};
 pub use spec::{
     BatchingSpec, ClassifierSpec, EnsembleSpec, GroupKind, InstanceGroupSpec, ModelKind,
     PreprocessorSpec, QueuePolicySpec, ResizeMode,
@@ -91,7 +91,7 @@ pub fn scan(root: &Path) -> Result<ScanResult, RepositoryError> {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         match load_model(&dir, &name) {
-            Ok(model) => result.models.push(model),
+            Ok(versions) => result.models.extend(versions),
             Err(error) => result.failures.push(LoadFailure { model: name, error }),
         }
     }
@@ -99,13 +99,68 @@ pub fn scan(root: &Path) -> Result<ScanResult, RepositoryError> {
     Ok(result)
 }
 
-fn load_model(dir: &Path, name: &str) -> Result<RepositoryModel, RepositoryError> {
+/// A fingerprint of a model directory's files (names, sizes, modification times, two
+/// levels deep: `config.pbtxt`, labels, version directories and their files). Poll mode
+/// reloads a model when it changes.
+pub fn fingerprint(dir: &Path) -> u64 {
+    fn walk(dir: &Path, depth: u32, h: &mut xxhash_rust::xxh3::Xxh3) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        let mut entries: Vec<_> = entries.filter_map(|e| e.ok()).collect();
+        entries.sort_by_key(|e| e.file_name());
+        for e in entries {
+            let Ok(meta) = e.metadata() else { continue };
+            h.update(e.file_name().as_encoded_bytes());
+            h.update(&meta.len().to_le_bytes());
+            if let Ok(modified) = meta.modified() {
+                let since = modified
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default();
+                h.update(&since.as_nanos().to_le_bytes());
+            }
+            if meta.is_dir() && depth > 0 {
+                walk(&e.path(), depth - 1, h);
+            }
+        }
+    }
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    walk(dir, 1, &mut h);
+    h.digest()
+}
+
+/// Every version of the model in `dir` that its `version_policy` serves, oldest first.
+fn load_model(dir: &Path, name: &str) -> Result<Vec<RepositoryModel>, RepositoryError> {
     let path = dir.join("config.pbtxt");
     let text = std::fs::read_to_string(&path).map_err(|source| RepositoryError::Io {
         path: path.clone(),
         source,
     })?;
-    let mut config = parse_model_config(name, &text)?;
+    load_model_with(dir, name, parse_model_config(name, &text)?)
+}
+
+/// Names of the model directories under `root` (those with a `config.pbtxt`), sorted,
+/// loaded or not.
+pub fn model_names(root: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().join("config.pbtxt").is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// The model in `dir` with `config` instead of its `config.pbtxt` (a load request that
+/// carries a config, as Triton's `config` load parameter): validated as a config on disk is.
+pub fn load_model_with(
+    dir: &Path,
+    name: &str,
+    mut config: pb::ModelConfig,
+) -> Result<Vec<RepositoryModel>, RepositoryError> {
     if config.name.is_empty() {
         // Triton fills an omitted name from the directory.
         config.name = name.to_string();
@@ -119,14 +174,17 @@ fn load_model(dir: &Path, name: &str) -> Result<RepositoryModel, RepositoryError
             ),
         });
     }
-    let versions = spec::available_versions(dir, name)?;
-    let version = spec::select_version(name, &config, &versions)?;
-    let kind = spec::model_kind(dir, name, &config, version)?;
-    Ok(RepositoryModel {
-        name: ModelName::new(name),
-        dir: dir.to_path_buf(),
-        config,
-        version,
-        kind,
-    })
+    let available = spec::available_versions(dir, name)?;
+    spec::select_versions(name, &config, &available)?
+        .into_iter()
+        .map(|version| {
+            Ok(RepositoryModel {
+                name: ModelName::new(name),
+                dir: dir.to_path_buf(),
+                kind: spec::model_kind(dir, name, &config, version)?,
+                config: config.clone(),
+                version,
+            })
+        })
+        .collect()
 }

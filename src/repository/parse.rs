@@ -13,11 +13,15 @@ static DESCRIPTORS: LazyLock<DescriptorPool> = LazyLock::new(|| {
     .expect("the descriptor set built from proto/model_config.proto decodes")
 });
 
+fn model_config_descriptor() -> prost_reflect::MessageDescriptor {
+    DESCRIPTORS
+        .get_message_by_name("inference.ModelConfig")
+        .expect("inference.ModelConfig is in the descriptor set")
+}
+
 /// Parses the text of a `config.pbtxt`. `model` only names the model in errors.
 pub fn parse_model_config(model: &str, text: &str) -> Result<pb::ModelConfig, RepositoryError> {
-    let desc = DESCRIPTORS
-        .get_message_by_name("inference.ModelConfig")
-        .expect("inference.ModelConfig is in the descriptor set");
+    let desc = model_config_descriptor();
     let parse_err = |message: String| RepositoryError::Parse {
         model: model.to_string(),
         message,
@@ -30,12 +34,35 @@ pub fn parse_model_config(model: &str, text: &str) -> Result<pb::ModelConfig, Re
         .map_err(|e| parse_err(e.to_string()))
 }
 
+/// Parses a `ModelConfig` given as JSON (the protobuf JSON mapping, proto or JSON field
+/// names): what a load request's `config` parameter carries. `model` names the model in
+/// errors.
+pub fn parse_model_config_json(
+    model: &str,
+    json: &str,
+) -> Result<pb::ModelConfig, RepositoryError> {
+    let desc = model_config_descriptor();
+    let parse_err = |message: String| RepositoryError::Parse {
+        model: model.to_string(),
+        message,
+    };
+    let mut de = serde_json::Deserializer::from_str(json);
+    let dynamic = DynamicMessage::deserialize(desc, &mut de).map_err(|e| {
+        parse_err(format!(
+            "the load request's config is not a ModelConfig: {e}"
+        ))
+    })?;
+    de.end()
+        .map_err(|e| parse_err(format!("the load request's config: {e}")))?;
+    dynamic
+        .transcode_to::<pb::ModelConfig>()
+        .map_err(|e| parse_err(e.to_string()))
+}
+
 /// `config` as Triton's `/config` endpoints return it: the protobuf JSON mapping with the
 /// proto field names, enums by name, 64-bit integers as strings and every field present.
 pub fn model_config_json(config: &pb::ModelConfig) -> serde_json::Value {
-    let desc = DESCRIPTORS
-        .get_message_by_name("inference.ModelConfig")
-        .expect("inference.ModelConfig is in the descriptor set");
+    let desc = model_config_descriptor();
     let mut dynamic = DynamicMessage::new(desc);
     dynamic
         .transcode_from(config)

@@ -147,32 +147,46 @@ pub(super) fn available_versions(
     Ok(versions)
 }
 
-/// Applies `version_policy` (default `latest { num_versions: 1 }`) and returns the newest
-/// selected version, which is the one served.
-pub(super) fn select_version(
+/// Applies `version_policy` (default `latest { num_versions: 1 }`): the versions served,
+/// oldest first.
+pub(super) fn select_versions(
     model: &str,
     config: &pb::ModelConfig,
     available: &[ModelVersion],
-) -> Result<ModelVersion, RepositoryError> {
+) -> Result<Vec<ModelVersion>, RepositoryError> {
     use pb::model_version_policy::PolicyChoice;
     let choice = config
         .version_policy
         .as_ref()
         .and_then(|p| p.policy_choice.clone());
-    let selected = match choice {
-        None | Some(PolicyChoice::Latest(_)) | Some(PolicyChoice::All(_)) => available.last(),
+    let selected: Vec<ModelVersion> = match choice {
+        None => available.iter().rev().take(1).rev().copied().collect(),
+        Some(PolicyChoice::Latest(l)) => {
+            if l.num_versions == 0 {
+                return Err(invalid(
+                    model,
+                    "version_policy.latest.num_versions",
+                    "must be at least 1",
+                ));
+            }
+            let n = l.num_versions as usize;
+            available[available.len().saturating_sub(n)..].to_vec()
+        }
+        Some(PolicyChoice::All(_)) => available.to_vec(),
         Some(PolicyChoice::Specific(s)) => available
             .iter()
-            .rev()
-            .find(|v| s.versions.iter().any(|&w| w >= 0 && w as u64 == v.0)),
+            .filter(|v| s.versions.iter().any(|&w| w >= 0 && w as u64 == v.0))
+            .copied()
+            .collect(),
     };
-    selected.copied().ok_or_else(|| {
-        invalid(
+    if selected.is_empty() {
+        return Err(invalid(
             model,
             "version_policy",
             "selects none of the version directories on disk",
-        )
-    })
+        ));
+    }
+    Ok(selected)
 }
 
 pub(super) fn model_kind(
@@ -1078,19 +1092,36 @@ mod tests {
         }
         write(&root, "latest/config.pbtxt", CLASSIFIER);
         write(&root, "latest/labels.txt", "a\nb\n");
+        write(
+            &root,
+            "two/config.pbtxt",
+            &format!("{CLASSIFIER}\nversion_policy: {{ latest {{ num_versions: 2 }} }}"),
+        );
+        write(&root, "two/labels.txt", "a\nb\n");
+        write(
+            &root,
+            "all/config.pbtxt",
+            &format!("{CLASSIFIER}\nversion_policy: {{ all {{ }} }}"),
+        );
+        write(&root, "all/labels.txt", "a\nb\n");
         for v in ["1", "7", "10"] {
             write(&root, &format!("latest/{v}/model.pt"), "x");
+            write(&root, &format!("two/{v}/model.pt"), "x");
+            write(&root, &format!("all/{v}/model.pt"), "x");
         }
         let r = scan(&root).unwrap();
-        let version = |m: &str| {
+        assert!(r.failures.is_empty(), "{:?}", r.failures);
+        let versions = |m: &str| -> Vec<u64> {
             r.models
                 .iter()
-                .find(|x| x.name.as_str() == m)
-                .unwrap()
-                .version
+                .filter(|x| x.name.as_str() == m)
+                .map(|x| x.version.0)
+                .collect()
         };
-        assert_eq!(version("cls"), ModelVersion(2));
-        assert_eq!(version("latest"), ModelVersion(10));
+        assert_eq!(versions("cls"), vec![2]);
+        assert_eq!(versions("latest"), vec![10]);
+        assert_eq!(versions("two"), vec![7, 10]);
+        assert_eq!(versions("all"), vec![1, 7, 10]);
     }
 
     #[test]

@@ -70,6 +70,8 @@ struct Inner {
     threads: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// When the last request finished, in ms since the epoch (0: none yet).
     last_inference_ms: std::sync::atomic::AtomicU64,
+    /// Set once the model is unloaded or replaced: new requests are refused.
+    retired: std::sync::atomic::AtomicBool,
 }
 
 /// Cheap to clone; every transport calls the same handle.
@@ -85,6 +87,11 @@ impl ModelHandle {
 
     pub fn version(&self) -> ModelVersion {
         self.inner.version
+    }
+
+    /// The same started model (not merely the same name and version).
+    pub fn same(&self, other: &ModelHandle) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     pub fn state(&self) -> ModelState {
@@ -132,6 +139,25 @@ impl ModelHandle {
         }
     }
 
+    /// Takes the model out of service gracefully: new requests are refused, the requests
+    /// already admitted finish (their rows leave the queue and run), then the model stops.
+    pub async fn retire(&self) {
+        use std::sync::atomic::Ordering;
+        if self.inner.retired.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        for (places, queue) in self
+            .inner
+            .queue_places
+            .iter()
+            .zip(&self.inner.policy.queues)
+        {
+            // Every place back means no admitted request still has rows queued.
+            let _ = places.acquire_many(queue.capacity.max(1) as u32).await;
+        }
+        self.shutdown().await;
+    }
+
     /// Takes one place in the model's queue, or refuses at once (`Overloaded` when the
     /// queue is full, `NotReady`); never waits for room. The place is held until every row
     /// submitted through the admission has left the queue.
@@ -140,7 +166,7 @@ impl ModelHandle {
             self.account(&Err(e.clone()), Instant::now());
             e
         };
-        if !self.is_ready() {
+        if !self.is_ready() || self.inner.retired.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(refused(SchedulerError::NotReady(
                 self.inner.name.to_string(),
             )));
@@ -484,6 +510,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
             stop,
             threads: std::sync::Mutex::new(threads),
             last_inference_ms: Default::default(),
+            retired: Default::default(),
             name: settings.name,
             version: settings.version,
             metrics: settings.metrics,

@@ -5,6 +5,8 @@ The ensemble input is built exactly as the FastAPI gateway of the stack visionga
 builds it (`read_and_pad_images`: np.frombuffer, np.pad, np.stack into UINT8 [N, L]).
 """
 
+import json
+
 import numpy as np
 import pytest
 import requests
@@ -267,12 +269,18 @@ def test_grpc_stream_infer_answers_each_request(server, photos, predicted):
         assert result.as_numpy("output__0").argmax() == predicted[i]
 
 
-def test_grpc_shared_memory_is_unimplemented_with_a_message(server):
+def test_grpc_shared_memory_trace_and_log_are_unimplemented_with_a_message(server):
     c = grpcclient.InferenceServerClient(server.grpc_url)
-    with pytest.raises(InferenceServerException) as e:
-        c.get_system_shared_memory_status()
-    assert str(e.value.status()) == "StatusCode.UNIMPLEMENTED"
-    assert "shared memory" in e.value.message()
+    for call, needle in [
+        (c.get_system_shared_memory_status, "shared memory"),
+        (c.get_cuda_shared_memory_status, "CUDA shared memory"),
+        (c.get_trace_settings, "metrics"),
+        (c.get_log_settings, "RUST_LOG"),
+    ]:
+        with pytest.raises(InferenceServerException) as e:
+            call()
+        assert str(e.value.status()) == "StatusCode.UNIMPLEMENTED"
+        assert needle in e.value.message(), e.value.message()
 
 
 def test_http_raw_binary_body_is_the_single_input(server, photos, predicted):
@@ -297,3 +305,70 @@ def test_500_image_grpc_request_larger_than_4_mib(server, photos, predicted):
     logits = c.infer("ensemble_model", [raw_image_input(grpcclient, batch)], client_timeout=600).as_numpy("output__0")
     assert logits.shape == (500, 1000)
     assert logits.argmax(axis=1).tolist() == [predicted[i % len(photos)] for i in range(500)]
+
+
+ADMIN = {"x-admin-key": "interop-key"}
+
+
+@pytest.fixture(scope="module")
+def explicit_server():
+    """A second server in explicit model-control mode, with load/unload behind a key."""
+    from conftest import Server
+
+    s = Server(
+        "--model-control-mode", "explicit",
+        "--load-model", "ensemble_model",
+        "--repository-control-key", "x-admin-key=interop-key",
+    )
+    yield s
+    s.stop()
+
+
+def index_states(c, kind):
+    index = c.get_model_repository_index(**({"as_json": True} if kind == "grpc" else {}))
+    if kind == "grpc":
+        index = index["models"]
+    return {m["name"]: m.get("state", "") for m in index}
+
+
+@pytest.mark.parametrize("kind", BOTH)
+def test_load_and_unload_in_explicit_mode(explicit_server, photos, predicted, kind):
+    mod, c = client(kind, explicit_server)
+    assert index_states(c, kind) == {"classifier": "READY", "ensemble_model": "READY", "preprocessor": "READY"}
+
+    # Closed without the key.
+    with pytest.raises(InferenceServerException) as e:
+        c.unload_model("ensemble_model")
+    assert status_of(e.value, kind) == ("403" if kind == "http" else "StatusCode.PERMISSION_DENIED")
+    assert "x-admin-key" in e.value.message()
+    assert c.is_model_ready("ensemble_model")
+
+    c.unload_model("ensemble_model", headers=ADMIN, unload_dependents=True)
+    assert not c.is_model_ready("ensemble_model")
+    assert not c.is_model_ready("classifier")
+    assert index_states(c, kind) == {m: "UNAVAILABLE" for m in ["classifier", "ensemble_model", "preprocessor"]}
+    inp = raw_image_input(mod, read_and_pad_images(photos))
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("ensemble_model", [inp])
+    assert status_of(e.value, kind) == ("404" if kind == "http" else "StatusCode.NOT_FOUND")
+
+    c.load_model("ensemble_model", headers=ADMIN)
+    assert c.is_model_ready("ensemble_model") and c.is_model_ready("classifier")
+    logits = c.infer("ensemble_model", [inp]).as_numpy("output__0")
+    assert logits.argmax(axis=1).tolist() == predicted
+
+    # A config given with the load request replaces config.pbtxt (here: max_batch_size).
+    cfg = c.get_model_config("classifier", **({"as_json": True} if kind == "grpc" else {}))
+    cfg = cfg["config"] if kind == "grpc" else cfg
+    cfg["max_batch_size"] = 16
+    cfg["dynamic_batching"]["preferred_batch_size"] = [4]
+    c.load_model("classifier", headers=ADMIN, config=json.dumps(cfg))
+    now = c.get_model_config("classifier", **({"as_json": True} if kind == "grpc" else {}))
+    now = now["config"] if kind == "grpc" else now
+    assert int(now["max_batch_size"]) == 16
+    assert c.infer("ensemble_model", [inp]).as_numpy("output__0").argmax(axis=1).tolist() == predicted
+
+    with pytest.raises(InferenceServerException) as e:
+        c.load_model("resnet50", headers=ADMIN)
+    assert status_of(e.value, kind) == ("400" if kind == "http" else "StatusCode.INVALID_ARGUMENT")
+    assert "resnet50" in e.value.message()

@@ -1,11 +1,11 @@
-//! The one state every transport shares: the served models, the decode pool, limits and
-//! readiness. Immutable after start-up (readiness goes through the model handles).
+//! Starting models: classifier handles with their instances, preprocessor settings, and
+//! ensembles linked to the newest versions of their steps.
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::domain::{InstanceId, ModelName, ModelVersion, Normalize};
-use crate::error::{ErrorKind, GatewayError};
-use crate::preprocess::{PreprocessPool, PreprocessSettings};
+use super::{AppState, ImagePipeline, ModelTable, ServedModel, UploadLimits};
+use crate::domain::{InstanceId, ModelName};
+use crate::preprocess::PreprocessSettings;
 use crate::repository::{
     ClassifierSpec, GroupKind, InstanceGroupSpec, ModelKind, PreprocessorSpec, RepositoryModel,
 };
@@ -15,92 +15,14 @@ use crate::scheduler::{
 };
 use crate::telemetry::Metrics;
 
-/// Limits of a `/predict` request.
-#[derive(Debug, Clone)]
-pub struct UploadLimits {
-    pub max_files: usize,
-    pub max_file_bytes: u64,
-    pub max_body_bytes: u64,
-}
-
-/// What `/predict` needs to serve one image model end to end.
-#[derive(Clone)]
-pub struct ImagePipeline {
-    pub name: ModelName,
-    pub version: ModelVersion,
-    pub preprocess: Arc<PreprocessSettings>,
-    pub normalize: Normalize,
-    pub classifier: ModelHandle,
-    pub num_classes: usize,
-    pub labels: Option<Arc<Vec<String>>>,
-}
-
-#[derive(Clone)]
-pub enum ServedModel {
-    Classifier {
-        model: Arc<RepositoryModel>,
-        handle: ModelHandle,
-    },
-    Preprocessor {
-        model: Arc<RepositoryModel>,
-        preprocess: Arc<PreprocessSettings>,
-        normalize: Normalize,
-    },
-    Ensemble {
-        model: Arc<RepositoryModel>,
-        pipeline: ImagePipeline,
-    },
-}
-
-impl ServedModel {
-    /// The model as read from the repository (its parsed `config.pbtxt`, its version).
-    pub fn repository_model(&self) -> &RepositoryModel {
-        match self {
-            ServedModel::Classifier { model, .. }
-            | ServedModel::Preprocessor { model, .. }
-            | ServedModel::Ensemble { model, .. } => model,
-        }
-    }
-
-    /// Why the model cannot serve, once its load failed.
-    pub fn failure(&self) -> Option<String> {
-        let handle = match self {
-            ServedModel::Classifier { handle, .. } => handle,
-            ServedModel::Ensemble { pipeline, .. } => &pipeline.classifier,
-            ServedModel::Preprocessor { .. } => return None,
-        };
-        match handle.state() {
-            crate::scheduler::ModelState::Failed(why) => Some(why),
-            _ => None,
-        }
-    }
-
-    pub fn is_ready(&self) -> bool {
-        match self {
-            ServedModel::Classifier { handle, .. } => handle.is_ready(),
-            ServedModel::Preprocessor { .. } => true,
-            ServedModel::Ensemble { pipeline, .. } => pipeline.classifier.is_ready(),
-        }
-    }
-}
-
-pub struct AppState {
-    pub models: HashMap<ModelName, ServedModel>,
-    /// Models that are in the repository but failed to load, with why.
-    pub failed: Vec<(String, String)>,
-    pub pool: PreprocessPool,
-    pub limits: UploadLimits,
-    pub metrics: Arc<Metrics>,
-}
-
-/// Everything `AppState::build` needs besides the repository.
+/// Everything starting a model needs besides the repository.
 pub struct BuildOptions {
     pub factory: EngineFactory,
     pub metrics: Arc<Metrics>,
     pub gpu_count: usize,
     pub default_queue_size: usize,
-    /// Size of the response cache shared by the models that enable it.
-    pub cache_bytes: usize,
+    /// The response cache shared by the models that enable it (as Triton has one).
+    pub cache: Arc<ResponseCache>,
     pub max_image_pixels: u64,
     pub dct_override: Option<u32>,
     pub decode_threads: usize,
@@ -108,25 +30,25 @@ pub struct BuildOptions {
 }
 
 impl AppState {
-    /// Starts every loadable model (call inside a Tokio runtime). Models that fail are
-    /// listed in `failed`; the others serve.
-    pub fn build(scan: crate::repository::ScanResult, opts: BuildOptions) -> AppState {
-        let mut failed: Vec<(String, String)> = scan
-            .failures
-            .iter()
-            .map(|f| (f.model.clone(), f.error.to_string()))
-            .collect();
-        for (model, error) in &failed {
-            tracing::error!(model, "model not loaded: {error}");
+    /// Starts `models` (every version given) into `table`: classifiers get new handles
+    /// (returned, still loading), preprocessors their settings, ensembles are recorded and
+    /// linked. Versions of a model already in `table` are replaced as a whole.
+    pub(super) fn start_models(
+        &self,
+        models: &[Arc<RepositoryModel>],
+        table: &mut ModelTable,
+    ) -> Vec<ModelHandle> {
+        let opts = &self.build;
+        let mut started = Vec::new();
+        let mut names: Vec<&ModelName> = models.iter().map(|m| &m.name).collect();
+        names.dedup();
+        for name in names {
+            table.models.remove(name);
+            table.ensembles.remove(name);
+            table.unavailable.remove(name.as_str());
         }
-        let repo: Vec<Arc<RepositoryModel>> = scan.models.into_iter().map(Arc::new).collect();
-        let mut models = HashMap::new();
-        let mut classifiers: HashMap<ModelName, (ModelHandle, ClassifierSpec)> = HashMap::new();
-        // One cache for every model that enables it, as Triton has one.
-        let cache = Arc::new(ResponseCache::new(opts.cache_bytes));
-
-        for m in &repo {
-            match &m.kind {
+        for m in models {
+            let served = match &m.kind {
                 ModelKind::Classifier(spec) => {
                     let (instances, warning) =
                         plan_instances(&spec.instance_groups, opts.gpu_count);
@@ -139,116 +61,101 @@ impl AppState {
                         instances,
                         model_file: spec.model_file.clone(),
                         policy: batch_policy(spec, opts.default_queue_size),
-                        cache: spec.response_cache.then(|| cache.clone()),
+                        cache: spec.response_cache.then(|| opts.cache.clone()),
                         height: spec.height,
                         width: spec.width,
                         batch_size: batch_size_choice(spec),
                         metrics: opts.metrics.clone(),
                     };
                     let handle = crate::scheduler::start_model(settings, opts.factory.clone());
-                    classifiers.insert(m.name.clone(), (handle.clone(), spec.clone()));
-                    models.insert(
-                        m.name.clone(),
-                        ServedModel::Classifier {
-                            model: m.clone(),
-                            handle,
-                        },
-                    );
+                    started.push(handle.clone());
+                    ServedModel::Classifier {
+                        model: m.clone(),
+                        handle,
+                    }
                 }
-                ModelKind::Preprocessor(p) => {
-                    models.insert(
-                        m.name.clone(),
-                        ServedModel::Preprocessor {
-                            model: m.clone(),
-                            preprocess: Arc::new(preprocess_settings(p, &opts)),
-                            normalize: p.normalize,
-                        },
-                    );
+                ModelKind::Preprocessor(p) => ServedModel::Preprocessor {
+                    model: m.clone(),
+                    preprocess: Arc::new(preprocess_settings(p, opts)),
+                    normalize: p.normalize,
+                },
+                ModelKind::Ensemble(_) => {
+                    table
+                        .ensembles
+                        .entry(m.name.clone())
+                        .or_default()
+                        .push(m.clone());
+                    continue;
                 }
-                ModelKind::Ensemble(_) => {}
-            }
+            };
+            table
+                .models
+                .entry(m.name.clone())
+                .or_default()
+                .insert(m.version, served);
         }
-        for m in &repo {
+        link_ensembles(table);
+        started
+    }
+}
+
+/// (Re)builds every recorded ensemble on the newest versions of its steps; an ensemble
+/// whose steps are not served is unavailable until they are.
+pub(super) fn link_ensembles(table: &mut ModelTable) {
+    let ensembles: Vec<(ModelName, Vec<Arc<RepositoryModel>>)> = table
+        .ensembles
+        .iter()
+        .map(|(n, v)| (n.clone(), v.clone()))
+        .collect();
+    for (name, versions) in ensembles {
+        table.models.remove(&name);
+        for m in versions {
             let ModelKind::Ensemble(e) = &m.kind else {
                 continue;
             };
-            let pre = repo
-                .iter()
-                .find(|p| p.name == e.preprocessor)
-                .map(|p| &p.kind);
-            let cls = classifiers.get(&e.classifier);
+            let pre = table.get(e.preprocessor.as_str(), None);
+            let cls = table.get(e.classifier.as_str(), None);
             match (pre, cls) {
-                (Some(ModelKind::Preprocessor(p)), Some((handle, spec))) => {
+                (
+                    Some(ServedModel::Preprocessor {
+                        preprocess,
+                        normalize,
+                        ..
+                    }),
+                    Some(ServedModel::Classifier { model: c, handle }),
+                ) => {
+                    let ModelKind::Classifier(spec) = &c.kind else {
+                        continue;
+                    };
                     let pipeline = ImagePipeline {
                         name: m.name.clone(),
                         version: m.version,
-                        preprocess: Arc::new(preprocess_settings(p, &opts)),
-                        normalize: p.normalize,
+                        preprocess: preprocess.clone(),
+                        normalize: *normalize,
                         classifier: handle.clone(),
                         num_classes: spec.num_classes,
                         labels: spec.labels.clone(),
                     };
-                    models.insert(
-                        m.name.clone(),
-                        ServedModel::Ensemble {
-                            model: m.clone(),
-                            pipeline,
-                        },
+                    table.unavailable.remove(name.as_str());
+                    table
+                        .models
+                        .entry(name.clone())
+                        .or_default()
+                        .insert(m.version, ServedModel::Ensemble { model: m, pipeline });
+                }
+                _ => {
+                    let missing = if pre.is_none() {
+                        &e.preprocessor
+                    } else {
+                        &e.classifier
+                    };
+                    table.unavailable.insert(
+                        name.to_string(),
+                        format!("its step '{missing}' is not loaded"),
                     );
                 }
-                _ => failed.push((m.name.to_string(), "its steps did not load".into())),
             }
         }
-        AppState {
-            models,
-            failed,
-            pool: PreprocessPool::start(
-                opts.decode_threads,
-                opts.decode_threads * 4,
-                opts.metrics.clone(),
-            ),
-            metrics: opts.metrics,
-            limits: opts.limits,
-        }
-    }
-
-    pub fn model(&self, name: &str) -> Result<&ServedModel, GatewayError> {
-        self.models.get(&ModelName::new(name)).ok_or_else(|| {
-            let why = self
-                .failed
-                .iter()
-                .find(|(m, _)| m == name)
-                .map(|(_, e)| format!(" (it failed to load: {e})"))
-                .unwrap_or_default();
-            GatewayError::new(ErrorKind::NotFound, format!("unknown model '{name}'{why}"))
-        })
-    }
-
-    /// The image pipeline behind `name`, for `/predict`.
-    pub fn image_pipeline(&self, name: &str) -> Result<&ImagePipeline, GatewayError> {
-        match self.model(name)? {
-            ServedModel::Ensemble { pipeline, .. } => {
-                if !pipeline.classifier.is_ready() {
-                    return Err(GatewayError::new(
-                        ErrorKind::NotReady,
-                        format!("model '{name}' is not ready"),
-                    ));
-                }
-                Ok(pipeline)
-            }
-            _ => Err(GatewayError::new(
-                ErrorKind::InvalidInput,
-                format!(
-                    "model '{name}' does not take encoded images; /predict needs an image \
-                     ensemble such as 'ensemble_model'"
-                ),
-            )),
-        }
-    }
-
-    /// Ready: every loaded model is ready (failed ones are reported by their own status).
-    pub fn is_ready(&self) -> bool {
-        self.models.values().all(|m| m.is_ready())
     }
 }
 

@@ -1,0 +1,465 @@
+//! Repository control, as Triton's `--model-control-mode`:
+//! - `none`: every model loads at start-up and stays;
+//! - `poll`: every model loads at start-up, and the repository is re-read every
+//!   `--repository-poll-secs`: changed models reload, new ones load, removed ones unload;
+//! - `explicit`: only `--load-model` models load at start-up; the load and unload
+//!   endpoints do the rest.
+//!
+//! A (re)load starts the new versions next to the serving ones and swaps them in only once
+//! they are warmed up; if they fail, the previous versions keep serving. Unloaded and
+//! replaced versions finish the requests they admitted before they stop.
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::build::link_ensembles;
+use super::{AppState, ModelTable};
+use crate::domain::ModelName;
+use crate::error::{ErrorKind, GatewayError};
+use crate::repository::{self, ModelKind, RepositoryModel, ScanResult};
+use crate::scheduler::{ModelHandle, ModelState};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ControlMode {
+    None,
+    Poll,
+    Explicit,
+}
+
+#[derive(Debug, Clone)]
+pub struct ControlSettings {
+    pub mode: ControlMode,
+    pub repository: PathBuf,
+    pub poll_interval: Duration,
+    /// Models loaded at start-up in explicit mode (`*`: all).
+    pub startup_models: Vec<String>,
+    /// Load and unload need this header with this value (Triton's restricted API);
+    /// `None` keeps them closed.
+    pub api_key: Option<(String, String)>,
+}
+
+/// A load or unload request parameter, as both transports carry them.
+pub enum ControlParam {
+    Bool(bool),
+    Int(i64),
+    Text(String),
+    Other,
+}
+
+/// The `config` of a load request's parameters (Triton's `config`: a JSON `ModelConfig`
+/// used instead of `config.pbtxt`). Override files (`file:<path>`) and unknown parameters
+/// are refused with what to do instead.
+pub fn load_parameters(
+    params: impl IntoIterator<Item = (String, ControlParam)>,
+) -> Result<Option<String>, GatewayError> {
+    let mut config = None;
+    for (name, value) in params {
+        match (name.as_str(), value) {
+            ("config", ControlParam::Text(json)) => config = Some(json),
+            ("config", _) => {
+                return Err(invalid(
+                    "load parameter 'config' must be a string holding the model config as JSON"
+                        .into(),
+                ))
+            }
+            (n, _) if n.starts_with("file:") => {
+                return Err(invalid(format!(
+                    "load parameter '{n}': override files are not supported; put the files in                      the model's directory of the repository, then load it"
+                )))
+            }
+            (n, _) => {
+                return Err(invalid(format!(
+                    "load parameter '{n}' is not supported (known: 'config')"
+                )))
+            }
+        }
+    }
+    Ok(config)
+}
+
+/// `unload_dependents` of an unload request's parameters (false when absent).
+pub fn unload_parameters(
+    params: impl IntoIterator<Item = (String, ControlParam)>,
+) -> Result<bool, GatewayError> {
+    let mut dependents = false;
+    for (name, value) in params {
+        match (name.as_str(), value) {
+            ("unload_dependents", ControlParam::Bool(b)) => dependents = b,
+            ("unload_dependents", _) => {
+                return Err(invalid(
+                    "unload parameter 'unload_dependents' must be a boolean".into(),
+                ))
+            }
+            (n, _) => {
+                return Err(invalid(format!(
+                    "unload parameter '{n}' is not supported (known: 'unload_dependents')"
+                )))
+            }
+        }
+    }
+    Ok(dependents)
+}
+
+fn invalid(message: String) -> GatewayError {
+    GatewayError::new(ErrorKind::InvalidInput, message)
+}
+
+impl AppState {
+    /// The table at start-up: what the control mode loads, started (still warming up).
+    pub(super) fn initial_table(&self, scan: ScanResult) -> ModelTable {
+        let mut table = ModelTable::default();
+        for f in &scan.failures {
+            tracing::error!(model = f.model, "model not loaded: {}", f.error);
+            table
+                .unavailable
+                .insert(f.model.clone(), f.error.to_string());
+        }
+        let wanted: Vec<String> = match self.control.mode {
+            ControlMode::None | ControlMode::Poll => {
+                scan.models.iter().map(|m| m.name.to_string()).collect()
+            }
+            ControlMode::Explicit if self.control.startup_models.iter().any(|m| m == "*") => {
+                scan.models.iter().map(|m| m.name.to_string()).collect()
+            }
+            ControlMode::Explicit => self.control.startup_models.clone(),
+        };
+        let mut models = Vec::new();
+        for name in wanted {
+            match with_steps(&scan, &name) {
+                Ok(found) => models.extend(found),
+                Err(e) => {
+                    tracing::error!(model = name, "{e}");
+                    table.unavailable.insert(name, e);
+                }
+            }
+        }
+        models.sort_by(|a, b| (&a.name, a.version).cmp(&(&b.name, b.version)));
+        models.dedup_by(|a, b| a.name == b.name && a.version == b.version);
+        let models: Vec<Arc<RepositoryModel>> = models.into_iter().map(Arc::new).collect();
+        self.start_models(&models, &mut table);
+        self.record_fingerprints(&models, &mut table);
+        table
+    }
+
+    fn record_fingerprints(&self, models: &[Arc<RepositoryModel>], table: &mut ModelTable) {
+        for m in models {
+            table
+                .fingerprints
+                .insert(m.name.clone(), repository::fingerprint(&m.dir));
+        }
+    }
+
+    /// Load and unload are open only in explicit mode and with the configured key.
+    pub fn authorize_control(
+        &self,
+        header: impl Fn(&str) -> Option<String>,
+    ) -> Result<(), GatewayError> {
+        let Some((name, key)) = &self.control.api_key else {
+            return Err(GatewayError::new(
+                ErrorKind::Forbidden,
+                "model load and unload are disabled: start visiongate with \
+                 --repository-control-key <header>=<key> and send that header",
+            ));
+        };
+        if header(name).as_deref() != Some(key.as_str()) {
+            return Err(GatewayError::new(
+                ErrorKind::Forbidden,
+                format!("model load and unload need the header '{name}' with the configured key"),
+            ));
+        }
+        if self.control.mode != ControlMode::Explicit {
+            return Err(invalid(format!(
+                "explicit model load and unload need --model-control-mode explicit (this \
+                 server runs in mode '{}')",
+                mode_name(self.control.mode)
+            )));
+        }
+        Ok(())
+    }
+
+    /// Loads `name` (every version its policy selects; an ensemble with its steps), or
+    /// reloads it. `config` (JSON, Triton's `config` load parameter) replaces its
+    /// `config.pbtxt` for this load. Returns once the new versions serve; on failure the
+    /// old ones still do.
+    pub async fn load_model(&self, name: &str, config: Option<String>) -> Result<(), GatewayError> {
+        let _guard = self.control_lock.lock().await;
+        let root = self.control.repository.clone();
+        let model = name.to_string();
+        let scan = tokio::task::spawn_blocking(move || {
+            let mut scan = repository::scan(&root)?;
+            if let Some(json) = config {
+                let dir = root.join(&model);
+                if !dir.is_dir() {
+                    return Ok(Err(format!(
+                        "no model directory '{model}' in the repository"
+                    )));
+                }
+                let parsed = repository::parse_model_config_json(&model, &json)
+                    .and_then(|c| repository::load_model_with(&dir, &model, c));
+                scan.models.retain(|m| m.name.as_str() != model);
+                scan.failures.retain(|f| f.model != model);
+                match parsed {
+                    Ok(versions) => scan.models.extend(versions),
+                    Err(e) => return Ok(Err(e.to_string())),
+                }
+            }
+            Ok::<_, repository::RepositoryError>(Ok(scan))
+        })
+        .await
+        .map_err(|e| GatewayError::new(ErrorKind::Internal, e.to_string()))?
+        .map_err(GatewayError::from)?
+        .map_err(invalid)?;
+        let current = self.models();
+        let mut found = with_steps(&scan, name).map_err(invalid)?;
+        // Steps already served stay as they are; the named model itself reloads.
+        found.retain(|m| m.name.as_str() == name || !current.models.contains_key(&m.name));
+        found.sort_by(|a, b| (&a.name, a.version).cmp(&(&b.name, b.version)));
+        found.dedup_by(|a, b| a.name == b.name && a.version == b.version);
+        let models: Vec<Arc<RepositoryModel>> = found.into_iter().map(Arc::new).collect();
+        self.swap_in(&models, &current).await
+    }
+
+    /// Starts `models` beside the serving table, waits for them, then swaps them in and
+    /// retires what they replace.
+    async fn swap_in(
+        &self,
+        models: &[Arc<RepositoryModel>],
+        current: &ModelTable,
+    ) -> Result<(), GatewayError> {
+        let mut table = current.clone();
+        let started = self.start_models(models, &mut table);
+        let mut failures = Vec::new();
+        for handle in &started {
+            if let ModelState::Failed(why) = handle.wait_loaded().await {
+                failures.push(format!("'{}': {why}", handle.name()));
+            }
+        }
+        if !failures.is_empty() {
+            for handle in started {
+                handle.shutdown().await;
+            }
+            return Err(invalid(format!(
+                "failed to load {}; the previous versions keep serving",
+                failures.join("; ")
+            )));
+        }
+        self.record_fingerprints(models, &mut table);
+        let replaced = replaced_handles(current, &table);
+        self.replace_table(table);
+        for m in models {
+            tracing::info!(model = %m.name, version = %m.version, "model loaded");
+        }
+        retire(replaced);
+        Ok(())
+    }
+
+    /// Unloads every version of `name`; ensembles built on it become unavailable. With
+    /// `dependents` (Triton's `unload_dependents`), an ensemble's steps are unloaded too,
+    /// unless another loaded ensemble uses them.
+    pub async fn unload_model(&self, name: &str, dependents: bool) -> Result<(), GatewayError> {
+        let _guard = self.control_lock.lock().await;
+        let current = self.models();
+        let key = ModelName::new(name);
+        if !current.models.contains_key(&key) && !current.ensembles.contains_key(&key) {
+            return Err(GatewayError::new(
+                ErrorKind::NotFound,
+                format!("model '{name}' is not loaded"),
+            ));
+        }
+        let mut table = (*current).clone();
+        let steps = if dependents {
+            steps_of(&table, &key)
+        } else {
+            Vec::new()
+        };
+        unload_from(&mut table, &key);
+        for step in steps {
+            let used = table
+                .ensembles
+                .values()
+                .flatten()
+                .any(|m| steps_of_model(m).contains(&step));
+            if !used {
+                unload_from(&mut table, &step);
+            }
+        }
+        let replaced = replaced_handles(&current, &table);
+        self.replace_table(table);
+        tracing::info!(model = name, "model unloaded");
+        retire(replaced);
+        Ok(())
+    }
+
+    /// One poll: reloads the models whose files changed, loads new ones, unloads the
+    /// ones gone from the repository. Errors are logged; serving models keep serving.
+    pub async fn poll_repository(&self) {
+        let root = self.control.repository.clone();
+        let scanned = tokio::task::spawn_blocking(move || {
+            let scan = repository::scan(&root)?;
+            let prints: Vec<(ModelName, u64)> = scan
+                .models
+                .iter()
+                .map(|m| (m.name.clone(), repository::fingerprint(&m.dir)))
+                .collect();
+            Ok::<_, repository::RepositoryError>((scan, prints))
+        })
+        .await;
+        let (scan, prints) = match scanned {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => return tracing::error!("repository poll failed: {e}"),
+            Err(e) => return tracing::error!("repository poll failed: {e}"),
+        };
+        let current = self.models();
+        let mut changed: Vec<String> = prints
+            .iter()
+            .filter(|(name, print)| current.fingerprints.get(name) != Some(print))
+            .map(|(name, _)| name.to_string())
+            .collect();
+        changed.dedup();
+        let gone: Vec<ModelName> = current
+            .fingerprints
+            .keys()
+            .filter(|name| {
+                !scan.models.iter().any(|m| &m.name == *name)
+                    && !scan.failures.iter().any(|f| f.model == name.as_str())
+            })
+            .cloned()
+            .collect();
+        for name in changed {
+            if let Err(e) = self.load_model(&name, None).await {
+                tracing::error!(model = name, "reload failed: {e}");
+                // Do not retry the same files every poll.
+                let mut table = (*self.models()).clone();
+                if let Some((_, print)) = prints.iter().find(|(n, _)| n.as_str() == name) {
+                    table.fingerprints.insert(ModelName::new(&name), *print);
+                }
+                record_failure(&mut table, &name, &e.to_string());
+                self.replace_table(table);
+            }
+        }
+        for f in &scan.failures {
+            let mut table = (*self.models()).clone();
+            if record_failure(&mut table, &f.model, &f.error.to_string()) {
+                tracing::error!(model = f.model, "cannot load: {}", f.error);
+                self.replace_table(table);
+            }
+        }
+        for name in gone {
+            if let Err(e) = self.unload_model(name.as_str(), false).await {
+                tracing::error!(model = %name, "unload failed: {e}");
+            }
+        }
+    }
+
+    /// Runs `poll_repository` every poll interval until `stop` is cancelled.
+    pub async fn poll_loop(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        let mut tick = tokio::time::interval(self.control.poll_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                _ = tick.tick() => self.poll_repository().await,
+                () = stop.cancelled() => return,
+            }
+        }
+    }
+}
+
+pub fn mode_name(mode: ControlMode) -> &'static str {
+    match mode {
+        ControlMode::None => "none",
+        ControlMode::Poll => "poll",
+        ControlMode::Explicit => "explicit",
+    }
+}
+
+/// Lists why `name` could not (re)load (a model still served says so in the reason);
+/// returns whether that is news.
+fn record_failure(table: &mut ModelTable, name: &str, why: &str) -> bool {
+    let why = if table.models.contains_key(&ModelName::new(name)) {
+        format!("{why} (the loaded versions keep serving)")
+    } else {
+        why.to_string()
+    };
+    table.unavailable.insert(name.to_string(), why.clone()) != Some(why)
+}
+
+/// Removes `name` and relinks the ensembles (one built on it becomes unavailable).
+fn unload_from(table: &mut ModelTable, name: &ModelName) {
+    table.models.remove(name);
+    table.ensembles.remove(name);
+    table.fingerprints.remove(name);
+    table
+        .unavailable
+        .insert(name.to_string(), "unloaded".to_string());
+    link_ensembles(table);
+}
+
+/// The steps of every loaded version of the ensemble `name` (none for other models).
+fn steps_of(table: &ModelTable, name: &ModelName) -> Vec<ModelName> {
+    let mut steps: Vec<ModelName> = table
+        .ensembles
+        .get(name)
+        .into_iter()
+        .flatten()
+        .flat_map(|m| steps_of_model(m))
+        .collect();
+    steps.sort();
+    steps.dedup();
+    steps
+}
+
+fn steps_of_model(m: &RepositoryModel) -> Vec<ModelName> {
+    match &m.kind {
+        ModelKind::Ensemble(e) => vec![e.preprocessor.clone(), e.classifier.clone()],
+        _ => Vec::new(),
+    }
+}
+
+/// Handles served in `before` and no longer in `after`.
+fn replaced_handles(before: &ModelTable, after: &ModelTable) -> Vec<ModelHandle> {
+    let kept: Vec<&ModelHandle> = after.all().filter_map(|s| s.handle()).collect();
+    let mut out: Vec<ModelHandle> = Vec::new();
+    for handle in before.all().filter_map(|s| s.handle()) {
+        if !kept.iter().any(|k| k.same(handle)) && !out.iter().any(|o| o.same(handle)) {
+            out.push(handle.clone());
+        }
+    }
+    out
+}
+
+/// Retires handles in the background: their admitted requests finish first.
+fn retire(handles: Vec<ModelHandle>) {
+    for handle in handles {
+        tokio::spawn(async move {
+            handle.retire().await;
+            tracing::info!(model = %handle.name(), version = %handle.version(), "previous version stopped");
+        });
+    }
+}
+
+/// Every version of `name` in the scan, with its ensemble steps; an error says why the
+/// model cannot load.
+fn with_steps(scan: &ScanResult, name: &str) -> Result<Vec<RepositoryModel>, String> {
+    let versions: Vec<&RepositoryModel> = scan
+        .models
+        .iter()
+        .filter(|m| m.name.as_str() == name)
+        .collect();
+    if versions.is_empty() {
+        return Err(match scan.failures.iter().find(|f| f.model == name) {
+            Some(f) => format!("failed to load '{name}': {}", f.error),
+            None => format!("no model '{name}' in the repository"),
+        });
+    }
+    let mut out: Vec<RepositoryModel> = Vec::new();
+    for m in versions {
+        if let ModelKind::Ensemble(e) = &m.kind {
+            for step in [&e.preprocessor, &e.classifier] {
+                out.extend(with_steps(scan, step.as_str())?);
+            }
+        }
+        out.push(m.clone());
+    }
+    Ok(out)
+}

@@ -1,0 +1,239 @@
+//! The one state every transport shares: the served models (a table replaced whole when
+//! models load or unload, so a request works on one consistent snapshot), the decode pool,
+//! limits and readiness.
+mod build;
+mod control;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+
+pub use build::{batch_policy, batch_size_choice, plan_instances, BuildOptions};
+pub use control::{load_parameters, unload_parameters, ControlMode, ControlParam, ControlSettings};
+
+use crate::domain::{ModelName, ModelVersion, Normalize};
+use crate::error::{ErrorKind, GatewayError};
+use crate::preprocess::{PreprocessPool, PreprocessSettings};
+use crate::repository::RepositoryModel;
+use crate::scheduler::{ModelHandle, ModelState};
+use crate::telemetry::Metrics;
+
+/// Limits of a `/predict` request.
+#[derive(Debug, Clone)]
+pub struct UploadLimits {
+    pub max_files: usize,
+    pub max_file_bytes: u64,
+    pub max_body_bytes: u64,
+}
+
+/// What `/predict` needs to serve one image model end to end.
+#[derive(Clone)]
+pub struct ImagePipeline {
+    pub name: ModelName,
+    pub version: ModelVersion,
+    pub preprocess: Arc<PreprocessSettings>,
+    pub normalize: Normalize,
+    pub classifier: ModelHandle,
+    pub num_classes: usize,
+    pub labels: Option<Arc<Vec<String>>>,
+}
+
+/// One served version of a model. Cheap to clone (handles and `Arc`s).
+#[derive(Clone)]
+pub enum ServedModel {
+    Classifier {
+        model: Arc<RepositoryModel>,
+        handle: ModelHandle,
+    },
+    Preprocessor {
+        model: Arc<RepositoryModel>,
+        preprocess: Arc<PreprocessSettings>,
+        normalize: Normalize,
+    },
+    Ensemble {
+        model: Arc<RepositoryModel>,
+        pipeline: ImagePipeline,
+    },
+}
+
+impl ServedModel {
+    /// The model as read from the repository (its parsed `config.pbtxt`, its version).
+    pub fn repository_model(&self) -> &RepositoryModel {
+        match self {
+            ServedModel::Classifier { model, .. }
+            | ServedModel::Preprocessor { model, .. }
+            | ServedModel::Ensemble { model, .. } => model,
+        }
+    }
+
+    /// The scheduled model behind it (an ensemble's is its classifier's).
+    pub fn handle(&self) -> Option<&ModelHandle> {
+        match self {
+            ServedModel::Classifier { handle, .. } => Some(handle),
+            ServedModel::Ensemble { pipeline, .. } => Some(&pipeline.classifier),
+            ServedModel::Preprocessor { .. } => None,
+        }
+    }
+
+    /// Why the model cannot serve, once its load failed.
+    pub fn failure(&self) -> Option<String> {
+        match self.handle()?.state() {
+            ModelState::Failed(why) => Some(why),
+            _ => None,
+        }
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.handle().is_none_or(ModelHandle::is_ready)
+    }
+}
+
+/// The models served at one moment.
+#[derive(Clone, Default)]
+pub struct ModelTable {
+    /// Per model, its served versions (the newest is the default).
+    pub models: BTreeMap<ModelName, BTreeMap<ModelVersion, ServedModel>>,
+    /// Models of the repository that are not served, with why (failed or unloaded).
+    pub unavailable: BTreeMap<String, String>,
+    /// Per loaded model, a fingerprint of its files (poll mode reloads on change).
+    pub fingerprints: BTreeMap<ModelName, u64>,
+    /// Loaded ensembles (every version), served while their steps are.
+    pub ensembles: BTreeMap<ModelName, Vec<Arc<RepositoryModel>>>,
+}
+
+impl ModelTable {
+    /// `version` of `name`, or its newest.
+    pub fn get(&self, name: &str, version: Option<ModelVersion>) -> Option<&ServedModel> {
+        let versions = self.models.get(&ModelName::new(name))?;
+        match version {
+            Some(v) => versions.get(&v),
+            None => versions.values().next_back(),
+        }
+    }
+
+    /// Every served version of every model.
+    pub fn all(&self) -> impl Iterator<Item = &ServedModel> {
+        self.models.values().flat_map(|v| v.values())
+    }
+}
+
+pub struct AppState {
+    table: RwLock<Arc<ModelTable>>,
+    build: BuildOptions,
+    pub control: ControlSettings,
+    /// Serializes load, unload and polls.
+    control_lock: tokio::sync::Mutex<()>,
+    pub pool: PreprocessPool,
+    pub limits: UploadLimits,
+    pub metrics: Arc<Metrics>,
+}
+
+impl AppState {
+    /// Starts the models the control mode loads at start-up (call inside a Tokio runtime).
+    /// Models that fail are listed as unavailable; the others serve.
+    pub fn build(
+        scan: crate::repository::ScanResult,
+        opts: BuildOptions,
+        control: ControlSettings,
+    ) -> AppState {
+        let pool = PreprocessPool::start(
+            opts.decode_threads,
+            opts.decode_threads * 4,
+            opts.metrics.clone(),
+        );
+        let state = AppState {
+            table: RwLock::new(Arc::new(ModelTable::default())),
+            metrics: opts.metrics.clone(),
+            limits: opts.limits.clone(),
+            build: opts,
+            control,
+            control_lock: tokio::sync::Mutex::new(()),
+            pool,
+        };
+        let table = state.initial_table(scan);
+        *state.table.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(table);
+        state
+    }
+
+    /// The models served now (a snapshot: later loads and unloads do not change it).
+    pub fn models(&self) -> Arc<ModelTable> {
+        self.table.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn replace_table(&self, table: ModelTable) {
+        *self.table.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(table);
+    }
+
+    /// The newest served version of `name`.
+    pub fn model(&self, name: &str) -> Result<ServedModel, GatewayError> {
+        self.model_version(name, None)
+    }
+
+    /// `version` of `name` (its newest when `None`).
+    pub fn model_version(
+        &self,
+        name: &str,
+        version: Option<ModelVersion>,
+    ) -> Result<ServedModel, GatewayError> {
+        let table = self.models();
+        if let Some(served) = table.get(name, version) {
+            return Ok(served.clone());
+        }
+        let message = match (table.models.get(&ModelName::new(name)), version) {
+            (Some(versions), Some(v)) => {
+                let loaded: Vec<String> = versions.keys().map(|v| v.to_string()).collect();
+                format!(
+                    "model '{name}' has no version {v} loaded (loaded: {})",
+                    loaded.join(", ")
+                )
+            }
+            _ => {
+                let why = table
+                    .unavailable
+                    .get(name)
+                    .map(|e| format!(" ({e})"))
+                    .unwrap_or_default();
+                format!("unknown model '{name}'{why}")
+            }
+        };
+        Err(GatewayError::new(ErrorKind::NotFound, message))
+    }
+
+    /// The image pipeline behind `name`, for `/predict`.
+    pub fn image_pipeline(&self, name: &str) -> Result<ImagePipeline, GatewayError> {
+        match self.model(name)? {
+            ServedModel::Ensemble { pipeline, .. } => {
+                if !pipeline.classifier.is_ready() {
+                    return Err(GatewayError::new(
+                        ErrorKind::NotReady,
+                        format!("model '{name}' is not ready"),
+                    ));
+                }
+                Ok(pipeline)
+            }
+            _ => Err(GatewayError::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "model '{name}' does not take encoded images; /predict needs an image \
+                     ensemble such as 'ensemble_model'"
+                ),
+            )),
+        }
+    }
+
+    /// Ready: every loaded model is ready (failed ones are reported by their own status).
+    pub fn is_ready(&self) -> bool {
+        self.models().all().all(ServedModel::is_ready)
+    }
+
+    /// Every distinct scheduled model (for waiting and stopping).
+    pub fn handles(&self) -> Vec<ModelHandle> {
+        let table = self.models();
+        let mut handles: Vec<ModelHandle> = Vec::new();
+        for served in table.all() {
+            if let ServedModel::Classifier { handle, .. } = served {
+                handles.push(handle.clone());
+            }
+        }
+        handles
+    }
+}
