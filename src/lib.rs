@@ -50,6 +50,7 @@ pub struct Gateway {
     task: tokio::task::JoinHandle<std::io::Result<()>>,
     grpc_stop: tokio_util::sync::CancellationToken,
     poll_stop: tokio_util::sync::CancellationToken,
+    poll_task: Option<tokio::task::JoinHandle<()>>,
     grpc_task: tokio::task::JoinHandle<()>,
 }
 
@@ -106,9 +107,8 @@ impl Gateway {
             settings.control.clone(),
         ));
         let poll_stop = tokio_util::sync::CancellationToken::new();
-        if settings.control.mode == state::ControlMode::Poll {
-            tokio::spawn(state.clone().into_inner().poll_loop(poll_stop.clone()));
-        }
+        let poll_task = (settings.control.mode == state::ControlMode::Poll)
+            .then(|| tokio::spawn(state.clone().into_inner().poll_loop(poll_stop.clone())));
 
         let app_state = state.clone();
         let server = HttpServer::new(move || {
@@ -175,6 +175,7 @@ impl Gateway {
             grpc_stop,
             grpc_task,
             poll_stop,
+            poll_task,
             metrics_addr,
             state,
             server: handle,
@@ -197,14 +198,16 @@ impl Gateway {
     /// Stops accepting, lets in-flight requests finish, then returns.
     pub async fn stop(self) {
         self.poll_stop.cancel();
+        if let Some(poll) = self.poll_task {
+            // A poll under way finishes its loads first.
+            let _ = poll.await;
+        }
         self.server.stop(true).await;
         let _ = self.task.await;
         self.grpc_stop.cancel();
         let _ = self.grpc_task.await;
         self.metrics_server.stop(true).await;
-        for handle in self.state.handles() {
-            handle.shutdown().await;
-        }
+        self.state.stop_models().await;
     }
 }
 

@@ -141,7 +141,8 @@ async fn explicit_mode_loads_and_unloads_on_request_with_the_key() {
     let (status, body) = gw
         .control("ensemble_model", "unload", json!({}), Some(KEY))
         .await;
-    assert_eq!(status, 404, "{body}");
+    // As Triton: unloading a model that is not loaded has no effect and succeeds.
+    assert_eq!(status, 200, "{body}");
 
     // Loading just the classifier serves it; the ensemble stays unloaded.
     let (status, body) = gw.control("classifier", "load", json!({}), Some(KEY)).await;
@@ -287,6 +288,30 @@ async fn load_with_a_config_parameter_replaces_config_pbtxt() {
         gw.get("/v2/models/classifier/config").await.1["max_batch_size"],
         8
     );
+    assert_eq!(gw.predict_red(9).await.results()[0]["class_id"], 9);
+
+    // A classifier reloaded on its own with another input size no longer fits its
+    // ensemble's preprocessor: the ensemble says so until the classifier fits again.
+    let mut wide = now.clone();
+    wide["input"][0]["dims"] = json!(["3", "299", "299"]);
+    let (status, body) = gw
+        .control(
+            "classifier",
+            "load",
+            json!({"parameters": {"config": wide.to_string()}}),
+            Some(KEY),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let reply = gw.predict_red(9).await;
+    assert_eq!(reply.status, 404, "{}", reply.json);
+    assert!(
+        reply.json["error"].as_str().unwrap().contains("299x299"),
+        "{}",
+        reply.json
+    );
+    let (status, body) = gw.control("classifier", "load", json!({}), Some(KEY)).await;
+    assert_eq!(status, 200, "{body}");
     assert_eq!(gw.predict_red(9).await.results()[0]["class_id"], 9);
     gw.stop().await;
 }
@@ -437,7 +462,14 @@ async fn unloaded_model_finishes_the_requests_it_admitted() {
         tokio::spawn(async move { gw.predict("", &files).await })
     };
     let started = Instant::now();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Unload once the upload is admitted and its first rows run.
+    while gw.metric("nv_inference_exec_count", &[]).await < 1.0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the upload never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let (status, body) = gw
         .control(
             "ensemble_model",
@@ -451,7 +483,7 @@ async fn unloaded_model_finishes_the_requests_it_admitted() {
     assert_eq!(gw.predict_red(1).await.status, 404);
     let reply = busy.await.unwrap();
     assert!(
-        started.elapsed() > Duration::from_millis(1000),
+        started.elapsed() > Duration::from_millis(1200),
         "the upload ran to its end"
     );
     assert_eq!(reply.status, 200, "{}", reply.json);
@@ -546,4 +578,42 @@ async fn poll_mode_follows_the_repository() {
     .await;
     assert_eq!(gw.predict_red(4).await.status, 404);
     gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_during_reloads_are_all_answered() {
+    let repo = temp_repository("reload-under-load", |m, t| with_preferred(m, t, "[ 2 ]"));
+    let gw = std::sync::Arc::new(
+        TestGateway::start_fake(
+            explicit(&repo, &["ensemble_model"]),
+            Duration::from_millis(5),
+        )
+        .await,
+    );
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients: Vec<_> = (0..4u8)
+        .map(|c| {
+            let (gw, stop) = (gw.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut answered = 0;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    let red = 20 + c;
+                    let reply = gw.predict_red(red).await;
+                    assert_eq!(reply.status, 200, "{}", reply.json);
+                    assert_eq!(reply.results()[0]["class_id"], red as u64);
+                    answered += 1;
+                }
+                answered
+            })
+        })
+        .collect();
+    for _ in 0..5 {
+        let (status, body) = gw.control("classifier", "load", json!({}), Some(KEY)).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for client in clients {
+        assert!(client.await.unwrap() > 0);
+    }
+    common::stop_shared(gw).await;
 }

@@ -172,6 +172,7 @@ pub fn repository_index(state: &AppState, ready_only: bool) -> Vec<IndexEntry> {
         .chain(never_loaded)
         .filter(|e| !ready_only || e.state == "READY")
         .collect();
-    out.sort_by(|a, b| (&a.name, &a.version).cmp(&(&b.name, &b.version)));
+    let version = |e: &IndexEntry| e.version.parse::<u64>().ok();
+    out.sort_by(|a, b| (&a.name, version(a)).cmp(&(&b.name, version(b))));
     out
 }

@@ -43,12 +43,12 @@ pub fn model_statistics(
         Some(m) => match version.filter(|v| !v.is_empty()) {
             Some(_) => vec![super::resolve(state, m, version)?],
             None => {
-                super::resolve(state, m, None)?;
                 let table = state.models();
-                table.models[&crate::domain::ModelName::new(m)]
-                    .values()
-                    .cloned()
-                    .collect()
+                match table.models.get(&crate::domain::ModelName::new(m)) {
+                    Some(versions) => versions.values().cloned().collect(),
+                    // Not served: the lookup's own NOT_FOUND error, with its reason.
+                    None => vec![super::resolve(state, m, None)?],
+                }
             }
         },
         None => state.models().all().cloned().collect(),

@@ -54,6 +54,8 @@ pub struct RepositoryModel {
     pub config: pb::ModelConfig,
     pub version: ModelVersion,
     pub kind: ModelKind,
+    /// [`fingerprint`] of the model's directory, taken before its files were read.
+    pub fingerprint: u64,
 }
 
 /// A model whose directory exists but could not be loaded; the others still load.
@@ -131,12 +133,14 @@ pub fn fingerprint(dir: &Path) -> u64 {
 
 /// Every version of the model in `dir` that its `version_policy` serves, oldest first.
 fn load_model(dir: &Path, name: &str) -> Result<Vec<RepositoryModel>, RepositoryError> {
+    // Before reading: a file changed while it is read shows as a change at the next poll.
+    let print = fingerprint(dir);
     let path = dir.join("config.pbtxt");
     let text = std::fs::read_to_string(&path).map_err(|source| RepositoryError::Io {
         path: path.clone(),
         source,
     })?;
-    load_model_with(dir, name, parse_model_config(name, &text)?)
+    versions(dir, name, parse_model_config(name, &text)?, print)
 }
 
 /// Names of the model directories under `root` (those with a `config.pbtxt`), sorted,
@@ -159,7 +163,16 @@ pub fn model_names(root: &Path) -> Vec<String> {
 pub fn load_model_with(
     dir: &Path,
     name: &str,
+    config: pb::ModelConfig,
+) -> Result<Vec<RepositoryModel>, RepositoryError> {
+    versions(dir, name, config, fingerprint(dir))
+}
+
+fn versions(
+    dir: &Path,
+    name: &str,
     mut config: pb::ModelConfig,
+    print: u64,
 ) -> Result<Vec<RepositoryModel>, RepositoryError> {
     if config.name.is_empty() {
         // Triton fills an omitted name from the directory.
@@ -184,6 +197,7 @@ pub fn load_model_with(
                 kind: spec::model_kind(dir, name, &config, version)?,
                 config: config.clone(),
                 version,
+                fingerprint: print,
             })
         })
         .collect()

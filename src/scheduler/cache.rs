@@ -46,9 +46,12 @@ impl ResponseCache {
         }
     }
 
+    /// `generation` tells loads of the same model version apart (a reload may bring new
+    /// weights under the same version number).
     pub fn key(
         model: &str,
         version: u64,
+        generation: u64,
         format: &RowFormat,
         want: OutputRequest,
         row: &[u8],
@@ -57,6 +60,7 @@ impl ResponseCache {
         h.update(&(model.len() as u64).to_le_bytes());
         h.update(model.as_bytes());
         h.update(&version.to_le_bytes());
+        h.update(&generation.to_le_bytes());
         match format {
             RowFormat::Image(n) => {
                 h.update(&[0]);
@@ -154,20 +158,21 @@ mod tests {
 
     #[test]
     fn the_key_depends_on_every_input() {
-        let k = ResponseCache::key("m", 1, &N, TOP1, b"row");
-        assert_eq!(k, ResponseCache::key("m", 1, &N, TOP1, b"row"));
-        assert_ne!(k, ResponseCache::key("n", 1, &N, TOP1, b"row"));
-        assert_ne!(k, ResponseCache::key("m", 2, &N, TOP1, b"row"));
-        assert_ne!(k, ResponseCache::key("m", 1, &N, TOP1, b"rox"));
+        let k = ResponseCache::key("m", 1, 0, &N, TOP1, b"row");
+        assert_eq!(k, ResponseCache::key("m", 1, 0, &N, TOP1, b"row"));
+        assert_ne!(k, ResponseCache::key("n", 1, 0, &N, TOP1, b"row"));
+        assert_ne!(k, ResponseCache::key("m", 2, 0, &N, TOP1, b"row"));
+        assert_ne!(k, ResponseCache::key("m", 1, 0, &N, TOP1, b"rox"));
+        assert_ne!(k, ResponseCache::key("m", 1, 1, &N, TOP1, b"row"));
         let other = RowFormat::Image(Normalize {
             mean: [0.4; 3],
             std: [0.5; 3],
         });
-        assert_ne!(k, ResponseCache::key("m", 1, &other, TOP1, b"row"));
+        assert_ne!(k, ResponseCache::key("m", 1, 0, &other, TOP1, b"row"));
         let tensor = RowFormat::TensorF32;
-        assert_ne!(k, ResponseCache::key("m", 1, &tensor, TOP1, b"row"));
+        assert_ne!(k, ResponseCache::key("m", 1, 0, &tensor, TOP1, b"row"));
         let top5 = OutputRequest { top_k: 5, ..TOP1 };
-        assert_ne!(k, ResponseCache::key("m", 1, &N, top5, b"row"));
+        assert_ne!(k, ResponseCache::key("m", 1, 0, &N, top5, b"row"));
     }
 
     #[test]

@@ -70,8 +70,13 @@ struct Inner {
     threads: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// When the last request finished, in ms since the epoch (0: none yet).
     last_inference_ms: std::sync::atomic::AtomicU64,
-    /// Set once the model is unloaded or replaced: new requests are refused.
+    /// Set once the model is unloaded or replaced.
+    retiring: std::sync::atomic::AtomicBool,
+    /// Set once no request holds a place after `retiring`: new requests are refused.
     retired: std::sync::atomic::AtomicBool,
+    /// Unique per started model in this process (keys the response cache: a reload may
+    /// bring new weights under the same version).
+    generation: u64,
 }
 
 /// Cheap to clone; every transport calls the same handle.
@@ -139,20 +144,34 @@ impl ModelHandle {
         }
     }
 
-    /// Takes the model out of service gracefully: new requests are refused, the requests
-    /// already admitted finish (their rows leave the queue and run), then the model stops.
+    /// Takes the model out of service gracefully once it is no longer in the model table:
+    /// requests that resolved it just before still get in, those admitted finish (their
+    /// rows leave the queue and run), then new requests are refused and the model stops.
     pub async fn retire(&self) {
         use std::sync::atomic::Ordering;
-        if self.inner.retired.swap(true, Ordering::SeqCst) {
+        if self.inner.retiring.swap(true, Ordering::SeqCst) {
             return;
         }
+        let idle = |inner: &Inner| {
+            inner
+                .queue_places
+                .iter()
+                .zip(&inner.policy.queues)
+                .all(|(places, queue)| places.available_permits() == queue.capacity.max(1))
+        };
+        // Polling, not `acquire_many`: a waiting `acquire_many` would take free places and
+        // make the late requests above look like a full queue.
+        while !idle(&self.inner) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.inner.retired.store(true, Ordering::SeqCst);
+        // A request that passed the `retired` check just before it was set.
         for (places, queue) in self
             .inner
             .queue_places
             .iter()
             .zip(&self.inner.policy.queues)
         {
-            // Every place back means no admitted request still has rows queued.
             let _ = places.acquire_many(queue.capacity.max(1) as u32).await;
         }
         self.shutdown().await;
@@ -376,6 +395,7 @@ fn lookup(
             ResponseCache::key(
                 inner.name.as_str(),
                 inner.version.0,
+                inner.generation,
                 &job.format,
                 job.want,
                 row,
@@ -510,7 +530,12 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
             stop,
             threads: std::sync::Mutex::new(threads),
             last_inference_ms: Default::default(),
+            retiring: Default::default(),
             retired: Default::default(),
+            generation: {
+                static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            },
             name: settings.name,
             version: settings.version,
             metrics: settings.metrics,

@@ -127,6 +127,18 @@ pub(super) fn link_ensembles(table: &mut ModelTable) {
                     let ModelKind::Classifier(spec) = &c.kind else {
                         continue;
                     };
+                    // Steps reloaded on their own (new files, a config override) must still fit.
+                    let made = (preprocess.width as usize, preprocess.height as usize);
+                    if made != (spec.width, spec.height) {
+                        table.unavailable.insert(
+                            name.to_string(),
+                            format!(
+                                "its preprocessor makes {}x{} images but its classifier takes {}x{}",
+                                made.0, made.1, spec.width, spec.height
+                            ),
+                        );
+                        continue;
+                    }
                     let pipeline = ImagePipeline {
                         name: m.name.clone(),
                         version: m.version,

@@ -143,9 +143,7 @@ impl AppState {
 
     fn record_fingerprints(&self, models: &[Arc<RepositoryModel>], table: &mut ModelTable) {
         for m in models {
-            table
-                .fingerprints
-                .insert(m.name.clone(), repository::fingerprint(&m.dir));
+            table.fingerprints.insert(m.name.clone(), m.fingerprint);
         }
     }
 
@@ -211,8 +209,14 @@ impl AppState {
         .map_err(invalid)?;
         let current = self.models();
         let mut found = with_steps(&scan, name).map_err(invalid)?;
-        // Steps already served stay as they are; the named model itself reloads.
-        found.retain(|m| m.name.as_str() == name || !current.models.contains_key(&m.name));
+        // Steps already serving stay as they are (failed ones load again); the named
+        // model itself reloads.
+        found.retain(|m| {
+            m.name.as_str() == name
+                || current
+                    .get(m.name.as_str(), None)
+                    .is_none_or(|s| s.failure().is_some())
+        });
         found.sort_by(|a, b| (&a.name, a.version).cmp(&(&b.name, b.version)));
         found.dedup_by(|a, b| a.name == b.name && a.version == b.version);
         let models: Vec<Arc<RepositoryModel>> = found.into_iter().map(Arc::new).collect();
@@ -227,29 +231,32 @@ impl AppState {
         current: &ModelTable,
     ) -> Result<(), GatewayError> {
         let mut table = current.clone();
-        let started = self.start_models(models, &mut table);
+        // Stopped again unless swapped in, also when this future is dropped (a client
+        // that left, a deadline): no started model is left running outside the table.
+        let mut started = Starting {
+            state: self,
+            handles: self.start_models(models, &mut table),
+        };
         let mut failures = Vec::new();
-        for handle in &started {
+        for handle in &started.handles {
             if let ModelState::Failed(why) = handle.wait_loaded().await {
                 failures.push(format!("'{}': {why}", handle.name()));
             }
         }
         if !failures.is_empty() {
-            for handle in started {
-                handle.shutdown().await;
-            }
             return Err(invalid(format!(
                 "failed to load {}; the previous versions keep serving",
                 failures.join("; ")
             )));
         }
+        started.handles.clear();
         self.record_fingerprints(models, &mut table);
         let replaced = replaced_handles(current, &table);
         self.replace_table(table);
         for m in models {
             tracing::info!(model = %m.name, version = %m.version, "model loaded");
         }
-        retire(replaced);
+        self.retire(replaced);
         Ok(())
     }
 
@@ -261,10 +268,9 @@ impl AppState {
         let current = self.models();
         let key = ModelName::new(name);
         if !current.models.contains_key(&key) && !current.ensembles.contains_key(&key) {
-            return Err(GatewayError::new(
-                ErrorKind::NotFound,
-                format!("model '{name}' is not loaded"),
-            ));
+            // Triton: unloading a model that is not loaded has no effect and succeeds.
+            tracing::info!(model = name, "unload: the model is not loaded");
+            return Ok(());
         }
         let mut table = (*current).clone();
         let steps = if dependents {
@@ -286,7 +292,7 @@ impl AppState {
         let replaced = replaced_handles(&current, &table);
         self.replace_table(table);
         tracing::info!(model = name, "model unloaded");
-        retire(replaced);
+        self.retire(replaced);
         Ok(())
     }
 
@@ -294,46 +300,33 @@ impl AppState {
     /// ones gone from the repository. Errors are logged; serving models keep serving.
     pub async fn poll_repository(&self) {
         let root = self.control.repository.clone();
-        let scanned = tokio::task::spawn_blocking(move || {
-            let scan = repository::scan(&root)?;
-            let prints: Vec<(ModelName, u64)> = scan
-                .models
-                .iter()
-                .map(|m| (m.name.clone(), repository::fingerprint(&m.dir)))
-                .collect();
-            Ok::<_, repository::RepositoryError>((scan, prints))
-        })
-        .await;
-        let (scan, prints) = match scanned {
-            Ok(Ok(s)) => s,
+        let scan = match tokio::task::spawn_blocking(move || repository::scan(&root)).await {
+            Ok(Ok(scan)) => scan,
             Ok(Err(e)) => return tracing::error!("repository poll failed: {e}"),
             Err(e) => return tracing::error!("repository poll failed: {e}"),
         };
-        let current = self.models();
-        let mut changed: Vec<String> = prints
+        let mut prints: Vec<(ModelName, u64)> = scan
+            .models
             .iter()
-            .filter(|(name, print)| current.fingerprints.get(name) != Some(print))
-            .map(|(name, _)| name.to_string())
+            .map(|m| (m.name.clone(), m.fingerprint))
             .collect();
-        changed.dedup();
-        let gone: Vec<ModelName> = current
-            .fingerprints
-            .keys()
-            .filter(|name| {
-                !scan.models.iter().any(|m| &m.name == *name)
-                    && !scan.failures.iter().any(|f| f.model == name.as_str())
-            })
-            .cloned()
-            .collect();
-        for name in changed {
-            if let Err(e) = self.load_model(&name, None).await {
-                tracing::error!(model = name, "reload failed: {e}");
+        prints.dedup();
+        let in_repository = |name: &str| {
+            scan.models.iter().any(|m| m.name.as_str() == name)
+                || scan.failures.iter().any(|f| f.model == name)
+        };
+        for (name, print) in &prints {
+            // Loading an ensemble loads its new steps: skip what an earlier load of this
+            // poll already brought up to date.
+            if self.models().fingerprints.get(name) == Some(print) {
+                continue;
+            }
+            if let Err(e) = self.load_model(name.as_str(), None).await {
+                tracing::error!(model = %name, "reload failed: {e}");
                 // Do not retry the same files every poll.
                 let mut table = (*self.models()).clone();
-                if let Some((_, print)) = prints.iter().find(|(n, _)| n.as_str() == name) {
-                    table.fingerprints.insert(ModelName::new(&name), *print);
-                }
-                record_failure(&mut table, &name, &e.to_string());
+                table.fingerprints.insert(name.clone(), *print);
+                record_failure(&mut table, name.as_str(), &e.to_string());
                 self.replace_table(table);
             }
         }
@@ -344,10 +337,25 @@ impl AppState {
                 self.replace_table(table);
             }
         }
-        for name in gone {
+        // Directories removed: unload what they served, forget the rest.
+        let current = self.models();
+        for name in current
+            .fingerprints
+            .keys()
+            .filter(|n| !in_repository(n.as_str()))
+        {
             if let Err(e) = self.unload_model(name.as_str(), false).await {
                 tracing::error!(model = %name, "unload failed: {e}");
             }
+        }
+        let mut table = (*self.models()).clone();
+        let before = (table.fingerprints.len(), table.unavailable.len());
+        table
+            .fingerprints
+            .retain(|name, _| in_repository(name.as_str()));
+        table.unavailable.retain(|name, _| in_repository(name));
+        if before != (table.fingerprints.len(), table.unavailable.len()) {
+            self.replace_table(table);
         }
     }
 
@@ -428,13 +436,18 @@ fn replaced_handles(before: &ModelTable, after: &ModelTable) -> Vec<ModelHandle>
     out
 }
 
-/// Retires handles in the background: their admitted requests finish first.
-fn retire(handles: Vec<ModelHandle>) {
-    for handle in handles {
-        tokio::spawn(async move {
-            handle.retire().await;
-            tracing::info!(model = %handle.name(), version = %handle.version(), "previous version stopped");
-        });
+/// Models started for a load: shut down when dropped with handles still in it.
+struct Starting<'a> {
+    state: &'a AppState,
+    handles: Vec<ModelHandle>,
+}
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        let handles = std::mem::take(&mut self.handles);
+        if !handles.is_empty() {
+            self.state.retire(handles);
+        }
     }
 }
 

@@ -120,8 +120,11 @@ pub struct AppState {
     table: RwLock<Arc<ModelTable>>,
     build: BuildOptions,
     pub control: ControlSettings,
-    /// Serializes load, unload and polls.
+    /// Serializes load, unload, polls and stopping.
     control_lock: tokio::sync::Mutex<()>,
+    /// Models taken out of service and still finishing their requests (joined on stop,
+    /// so no libtorch module outlives the gateway).
+    retiring: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
     pub pool: PreprocessPool,
     pub limits: UploadLimits,
     pub metrics: Arc<Metrics>,
@@ -147,6 +150,7 @@ impl AppState {
             build: opts,
             control,
             control_lock: tokio::sync::Mutex::new(()),
+            retiring: Default::default(),
             pool,
         };
         let table = state.initial_table(scan);
@@ -223,6 +227,33 @@ impl AppState {
     /// Ready: every loaded model is ready (failed ones are reported by their own status).
     pub fn is_ready(&self) -> bool {
         self.models().all().all(ServedModel::is_ready)
+    }
+
+    /// Takes `handles` out of service in the background: their admitted requests finish
+    /// first. `stop_models` waits for them.
+    pub(crate) fn retire(&self, handles: Vec<ModelHandle>) {
+        let mut retiring = self.retiring.lock().unwrap_or_else(|p| p.into_inner());
+        retiring.retain(|t| !t.is_finished());
+        for handle in handles {
+            retiring.push(tokio::spawn(async move {
+                handle.retire().await;
+                tracing::info!(model = %handle.name(), version = %handle.version(), "model stopped");
+            }));
+        }
+    }
+
+    /// Stops every model, the served ones and those still retiring, once no load or
+    /// unload is under way. Call after the listeners stopped.
+    pub async fn stop_models(&self) {
+        let _guard = self.control_lock.lock().await;
+        for handle in self.handles() {
+            handle.shutdown().await;
+        }
+        let retiring =
+            std::mem::take(&mut *self.retiring.lock().unwrap_or_else(|p| p.into_inner()));
+        for task in retiring {
+            let _ = task.await;
+        }
     }
 
     /// Every distinct scheduled model (for waiting and stopping).
