@@ -66,9 +66,13 @@ impl ErrorKind {
 }
 
 /// The JSON body of every request-level error.
-#[derive(Debug, Serialize, serde::Deserialize)]
+#[derive(Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct ErrorBody {
+    /// What went wrong and where (KServe v2 clients read this field).
     pub error: String,
+    /// Stable snake_case kind: `invalid_input`, `unsupported_media_type`,
+    /// `payload_too_large`, `not_found`, `forbidden`, `not_ready`, `overloaded`,
+    /// `deadline_exceeded`, `internal`.
     pub code: String,
 }
 

@@ -1,6 +1,7 @@
 //! HTTP (actix-web): routes, extractor error bodies, the upload page.
 mod client;
 mod health;
+pub mod openapi;
 mod predict;
 mod v2;
 mod v2_infer;
@@ -11,7 +12,7 @@ use crate::error::{ErrorKind, GatewayError};
 use crate::state::AppState;
 
 pub use client::on_connect;
-pub use predict::{FileError, FileResult, PredictResponse, Prediction, Timing, TopK};
+pub use predict::{FileError, FileFailure, FileResult, PredictResponse, Prediction, Timing, TopK};
 
 /// Routes and extractor configs, shared by `main` and the tests.
 pub fn configure(cfg: &mut web::ServiceConfig, state: web::Data<AppState>) {
@@ -48,6 +49,22 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: web::Data<AppState>) {
             .route(&format!("{base}/infer"), web::post().to(v2_infer::infer));
     }
     cfg.route("/", web::get().to(index))
+        // Swagger UI from the vendored crate (nothing is fetched from outside), reading the
+        // document it also serves at /openapi.json.
+        .route(
+            "/docs",
+            web::get().to(|| async {
+                HttpResponse::PermanentRedirect()
+                    .insert_header((actix_web::http::header::LOCATION, "/docs/"))
+                    .finish()
+            }),
+        )
+        .service(
+            utoipa_swagger_ui::SwaggerUi::new("/docs/{_:.*}")
+                .url("/openapi.json", openapi::document())
+                // No online validator badge: /docs sends no request off the machine.
+                .config(utoipa_swagger_ui::Config::new(["/openapi.json"]).validator_url("none")),
+        )
         .default_service(web::to(not_found));
 }
 

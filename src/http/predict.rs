@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::client;
 use crate::domain::RequestOptions;
 use crate::engine::OutputRequest;
-use crate::error::{ErrorKind, GatewayError};
+use crate::error::{ErrorBody, ErrorKind, GatewayError};
 use crate::preprocess::{PreprocessError, Row};
 use crate::scheduler::{Admission, InferJob, PendingRows, RowFormat};
 use crate::state::{AppState, ImagePipeline};
@@ -26,7 +26,8 @@ const DEFAULT_TOP_K: usize = 5;
 /// Multipart field names accepted for files (`files` as FastAPI's `List[UploadFile]`).
 const FILE_FIELDS: [&str; 2] = ["files", "file"];
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct PredictQuery {
     /// How many classes to return per image (default 5).
     pub top_k: Option<usize>,
@@ -40,14 +41,14 @@ pub struct PredictQuery {
     pub timeout_us: Option<u64>,
 }
 
-#[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
+#[derive(Debug, Serialize, Deserialize, Clone, PartialEq, utoipa::ToSchema)]
 pub struct TopK {
     pub label: Option<String>,
     pub class_id: u32,
     pub score: f32,
 }
 
-#[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
+#[derive(Debug, Serialize, Deserialize, Clone, PartialEq, utoipa::ToSchema)]
 pub struct Prediction {
     pub filename: String,
     pub label: Option<String>,
@@ -57,27 +58,44 @@ pub struct Prediction {
     pub top_k: Vec<TopK>,
 }
 
-#[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
+#[derive(Debug, Serialize, Deserialize, Clone, PartialEq, utoipa::ToSchema)]
 pub struct FileError {
     pub code: String,
     pub message: String,
 }
 
-#[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
+/// One uploaded file's result: its prediction, or why it could not be classified.
+#[derive(Debug, Serialize, Deserialize, Clone, PartialEq, utoipa::ToSchema)]
 #[serde(untagged)]
 pub enum FileResult {
     Ok(Prediction),
-    Err { filename: String, error: FileError },
+    Err(FileFailure),
 }
 
-#[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
+/// A file that could not be classified; the other files' results are unaffected.
+#[derive(Debug, Serialize, Deserialize, Clone, PartialEq, utoipa::ToSchema)]
+pub struct FileFailure {
+    pub filename: String,
+    pub error: FileError,
+}
+
+/// The multipart body of `/predict` (documentation only: the handler streams the parts).
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct PredictUpload {
+    /// The images, one part each (up to `--max-files`; the field `file` works too).
+    #[schema(value_type = Vec<String>, format = Binary)]
+    files: Vec<Vec<u8>>,
+}
+
+#[derive(Debug, Serialize, Deserialize, Clone, PartialEq, utoipa::ToSchema)]
 pub struct Timing {
     pub total_images: usize,
     pub total_sec: f64,
     pub average_latency_per_image_ms: f64,
 }
 
-#[derive(Debug, Serialize, Deserialize, Clone, PartialEq)]
+#[derive(Debug, Serialize, Deserialize, Clone, PartialEq, utoipa::ToSchema)]
 pub struct PredictResponse {
     pub model: String,
     pub model_version: String,
@@ -107,6 +125,24 @@ fn multipart_error(e: actix_multipart::MultipartError) -> GatewayError {
     invalid(format!("malformed multipart body: {e}"))
 }
 
+/// Classifies the uploaded images, in upload order. A file that cannot be used gets an
+/// `error` entry of its own and never changes the other files' results.
+#[utoipa::path(
+    post,
+    path = "/predict",
+    tag = "predict",
+    params(PredictQuery),
+    request_body(content = PredictUpload, content_type = "multipart/form-data"),
+    responses(
+        (status = 200, description = "One result per file, in upload order", body = PredictResponse),
+        (status = 400, description = "No files, malformed multipart or a bad query", body = ErrorBody),
+        (status = 404, description = "Unknown model", body = ErrorBody),
+        (status = 413, description = "More files than `--max-files`, or a body over `--max-body-bytes`", body = ErrorBody),
+        (status = 415, description = "Not multipart/form-data", body = ErrorBody),
+        (status = 503, description = "Model not ready, or its queue is full (with `Retry-After`)", body = ErrorBody),
+        (status = 504, description = "Still queued when the queue timeout passed", body = ErrorBody),
+    )
+)]
 pub async fn predict(
     req: HttpRequest,
     payload: web::Payload,
@@ -231,13 +267,13 @@ async fn classify(
                     top_k: top,
                 })
             }
-            Err(e) => FileResult::Err {
+            Err(e) => FileResult::Err(FileFailure {
                 filename,
                 error: FileError {
                     code: e.code().to_string(),
                     message: e.to_string(),
                 },
-            },
+            }),
         })
         .collect();
 

@@ -4,18 +4,23 @@
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{ErrorKind, GatewayError};
+use crate::error::{ErrorBody, ErrorKind, GatewayError};
 use crate::kserve;
+use crate::kserve::{IndexEntry, ModelMetadata};
 use crate::repository::model_config_json;
 use crate::state::{load_parameters, unload_parameters, AppState, ControlParam, ServedModel};
 
-#[derive(Serialize)]
-struct ServerMetadata {
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct ServerMetadata {
     name: &'static str,
     version: &'static str,
+    /// The protocol extensions served (Triton's names).
     extensions: Vec<&'static str>,
 }
 
+/// Server name, version and protocol extensions.
+#[utoipa::path(get, path = "/v2", tag = "kserve",
+    responses((status = 200, description = "Server metadata", body = ServerMetadata)))]
 pub async fn server_metadata() -> HttpResponse {
     HttpResponse::Ok().json(ServerMetadata {
         name: kserve::SERVER_NAME,
@@ -37,6 +42,14 @@ impl ModelPath {
     }
 }
 
+/// A model's name, versions, platform and tensors (the batch dimension is -1).
+#[utoipa::path(get, path = "/v2/models/{model}", tag = "kserve",
+    params(("model" = String, Path, description = "Model name")),
+    responses(
+        (status = 200, description = "Model metadata", body = ModelMetadata),
+        (status = 400, description = "The version is not a number", body = ErrorBody),
+        (status = 404, description = "Unknown model or version", body = ErrorBody),
+    ))]
 pub async fn model_metadata(
     path: web::Path<ModelPath>,
     state: web::Data<AppState>,
@@ -45,6 +58,14 @@ pub async fn model_metadata(
     Ok(HttpResponse::Ok().json(kserve::model_metadata(&state, served.repository_model())))
 }
 
+/// The model's configuration as Triton returns it: its `config.pbtxt` in the protobuf
+/// JSON mapping (proto field names, enums by name, every field present).
+#[utoipa::path(get, path = "/v2/models/{model}/config", tag = "kserve",
+    params(("model" = String, Path, description = "Model name")),
+    responses(
+        (status = 200, description = "Triton `ModelConfig` as JSON", body = Object),
+        (status = 404, description = "Unknown model or version", body = ErrorBody),
+    ))]
 pub async fn model_config(
     path: web::Path<ModelPath>,
     state: web::Data<AppState>,
@@ -53,6 +74,14 @@ pub async fn model_config(
     Ok(HttpResponse::Ok().json(model_config_json(&served.repository_model().config)))
 }
 
+/// 200 when the model is ready; 400 while it is not (as Triton).
+#[utoipa::path(get, path = "/v2/models/{model}/ready", tag = "kserve",
+    params(("model" = String, Path, description = "Model name")),
+    responses(
+        (status = 200, description = "The model is ready"),
+        (status = 400, description = "The model is loading or failed", body = ErrorBody),
+        (status = 404, description = "Unknown model or version", body = ErrorBody),
+    ))]
 pub async fn model_ready(
     path: web::Path<ModelPath>,
     state: web::Data<AppState>,
@@ -69,12 +98,19 @@ pub async fn model_ready(
     })
 }
 
-#[derive(Serialize)]
-struct StatsResponse {
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct StatsResponse {
     model_stats: Vec<kserve::ModelStatistics>,
 }
 
-/// `GET /v2/models/stats`, `/v2/models/{m}/stats`, `/v2/models/{m}/versions/{v}/stats`.
+/// `GET /v2/models/stats`, `/v2/models/{m}/stats`, `/v2/models/{m}/versions/{v}/stats`:
+/// Triton's statistics extension, from the same counters as the Prometheus metrics.
+#[utoipa::path(get, path = "/v2/models/{model}/stats", tag = "kserve",
+    params(("model" = String, Path, description = "Model name")),
+    responses(
+        (status = 200, description = "Statistics per served version", body = StatsResponse),
+        (status = 404, description = "Unknown model or version", body = ErrorBody),
+    ))]
 pub async fn model_stats(
     path: Option<web::Path<ModelPath>>,
     state: web::Data<AppState>,
@@ -88,13 +124,22 @@ pub async fn model_stats(
     }))
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, utoipa::ToSchema)]
 pub struct IndexRequest {
+    /// Only the models ready for inference.
     #[serde(default)]
     ready: bool,
 }
 
 /// `POST /v2/repository/index` (body optional: `{"ready": true}` lists only ready models).
+/// Every model directory of the repository: served versions with their state, unloaded
+/// or failed models as `UNAVAILABLE` with the reason, never-loaded models by name.
+#[utoipa::path(post, path = "/v2/repository/index", tag = "repository",
+    request_body(content = Option<IndexRequest>, description = "Optional"),
+    responses(
+        (status = 200, description = "The repository index", body = Vec<IndexEntry>),
+        (status = 400, description = "Malformed request", body = ErrorBody),
+    ))]
 pub async fn repository_index(
     body: web::Bytes,
     state: web::Data<AppState>,
@@ -112,9 +157,12 @@ pub async fn repository_index(
     Ok(HttpResponse::Ok().json(kserve::repository_index(&state, request.ready)))
 }
 
-#[derive(Deserialize, Default)]
+/// A load or unload request. Load: `config` (a `ModelConfig` as a JSON string) replaces
+/// `config.pbtxt`. Unload: `unload_dependents` (boolean) unloads an ensemble's steps too.
+#[derive(Deserialize, Default, utoipa::ToSchema)]
 pub struct ControlRequest {
     #[serde(default)]
+    #[schema(value_type = Object)]
     parameters: serde_json::Map<String, serde_json::Value>,
 }
 
@@ -159,6 +207,14 @@ fn header_of(req: &HttpRequest) -> impl Fn(&str) -> Option<String> + '_ {
 /// `POST /v2/repository/models/{m}/load`: loads or reloads the model from the repository
 /// (explicit mode, with the control key), with the `config` parameter instead of its
 /// `config.pbtxt` when given. Returns once it serves.
+#[utoipa::path(post, path = "/v2/repository/models/{model}/load", tag = "repository",
+    params(("model" = String, Path, description = "Model name")),
+    request_body(content = Option<ControlRequest>, description = "Optional"),
+    responses(
+        (status = 200, description = "Done"),
+        (status = 400, description = "Not explicit mode, an unknown model, a bad parameter or a failed load (the previous versions keep serving)", body = ErrorBody),
+        (status = 403, description = "Without the `--repository-control-key` header and key", body = ErrorBody),
+    ))]
 pub async fn load_model(
     req: HttpRequest,
     path: web::Path<String>,
@@ -173,6 +229,14 @@ pub async fn load_model(
 
 /// `POST /v2/repository/models/{m}/unload`: the model stops taking requests; those it
 /// admitted finish. `unload_dependents` unloads an ensemble's steps too.
+#[utoipa::path(post, path = "/v2/repository/models/{model}/unload", tag = "repository",
+    params(("model" = String, Path, description = "Model name")),
+    request_body(content = Option<ControlRequest>, description = "Optional"),
+    responses(
+        (status = 200, description = "Unloaded (also when it was not loaded, as Triton)"),
+        (status = 400, description = "Not explicit mode, or a bad parameter", body = ErrorBody),
+        (status = 403, description = "Without the `--repository-control-key` header and key", body = ErrorBody),
+    ))]
 pub async fn unload_model(
     req: HttpRequest,
     path: web::Path<String>,

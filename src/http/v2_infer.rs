@@ -11,12 +11,12 @@ use actix_web::http::header::{self, HeaderValue};
 use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::client;
 use crate::domain::RequestOptions;
-use crate::error::{ErrorKind, GatewayError};
+use crate::error::{ErrorBody, ErrorKind, GatewayError};
 use crate::kserve::{self, DataType, InferRequest, InputTensor, OutputTensor, RequestedOutput};
 use crate::repository::ModelKind;
 use crate::state::AppState;
@@ -27,33 +27,68 @@ fn invalid(message: impl Into<String>) -> GatewayError {
     GatewayError::new(ErrorKind::InvalidInput, message)
 }
 
-#[derive(Deserialize)]
-struct JsonRequest {
+/// A KServe v2 inference request (the JSON header of the binary form).
+#[derive(Deserialize, utoipa::ToSchema)]
+pub struct JsonRequest {
     #[serde(default)]
     id: Option<String>,
+    /// `priority`, `timeout` (microseconds), `binary_data_output`.
     #[serde(default)]
+    #[schema(value_type = Object)]
     parameters: Map<String, Value>,
     inputs: Vec<JsonInput>,
     #[serde(default)]
     outputs: Vec<JsonOutput>,
 }
 
-#[derive(Deserialize)]
-struct JsonInput {
+#[derive(Deserialize, utoipa::ToSchema)]
+pub struct JsonInput {
     name: String,
     shape: Vec<i64>,
+    /// BOOL, UINT8..UINT64, INT8..INT64, FP16, BF16, FP32, FP64 or BYTES.
     datatype: String,
+    /// `binary_data_size` when the data follows the JSON header.
     #[serde(default)]
+    #[schema(value_type = Object)]
     parameters: Map<String, Value>,
+    /// The elements, flat or nested (row-major).
     #[serde(default)]
+    #[schema(value_type = Object)]
     data: Option<Value>,
 }
 
-#[derive(Deserialize)]
-struct JsonOutput {
+#[derive(Deserialize, utoipa::ToSchema)]
+pub struct JsonOutput {
     name: String,
+    /// `binary_data` (boolean), `classification` (top k as `score:index:label`).
     #[serde(default)]
+    #[schema(value_type = Object)]
     parameters: Map<String, Value>,
+}
+
+/// A KServe v2 inference response (the JSON header of the binary form).
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct JsonResponse {
+    model_name: String,
+    model_version: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<String>,
+    outputs: Vec<JsonOutputTensor>,
+}
+
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct JsonOutputTensor {
+    name: String,
+    datatype: String,
+    shape: Vec<i64>,
+    /// `binary_data_size` when the data follows the JSON header.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    parameters: Option<Value>,
+    /// The elements, flat (row-major), unless sent as binary.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    data: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -62,6 +97,25 @@ pub struct InferPath {
     version: Option<String>,
 }
 
+/// Runs a model: JSON tensors, or Triton's binary tensor extension
+/// (`Inference-Header-Content-Length` = length of the JSON header, binary data after it;
+/// 0 = the whole body is the model's single input, e.g. one encoded image).
+#[utoipa::path(post, path = "/v2/models/{model}/infer", tag = "kserve",
+    params(
+        ("model" = String, Path, description = "Model name"),
+        ("Inference-Header-Content-Length" = Option<u64>, Header,
+            description = "Binary tensor extension: bytes of JSON before the binary data"),
+    ),
+    request_body(content = JsonRequest, description = "JSON, or JSON header + binary data"),
+    responses(
+        (status = 200, description = "Outputs (JSON, or JSON header + binary data with \
+            `Inference-Header-Content-Length`)", body = JsonResponse),
+        (status = 400, description = "Bad input name, datatype or shape, or an undecodable row (named)", body = ErrorBody),
+        (status = 404, description = "Unknown model or version", body = ErrorBody),
+        (status = 413, description = "Body over `--max-body-bytes`", body = ErrorBody),
+        (status = 503, description = "Model not ready, or its queue is full", body = ErrorBody),
+        (status = 504, description = "Still queued when the queue timeout passed", body = ErrorBody),
+    ))]
 pub async fn infer(
     req: HttpRequest,
     path: web::Path<InferPath>,
@@ -421,35 +475,35 @@ fn write_response(
     binary_default: bool,
 ) -> HttpResponse {
     let mut tail: Vec<u8> = Vec::new();
-    let outputs: Vec<Value> = response
+    let outputs: Vec<JsonOutputTensor> = response
         .outputs
         .iter()
         .enumerate()
         .map(|(i, o)| {
-            let mut out = serde_json::json!({
-                "name": o.name,
-                "datatype": o.datatype.as_str(),
-                "shape": o.shape,
-            });
             let as_binary = binary.get(i).copied().unwrap_or(binary_default)
                 || matches!(o.datatype, DataType::Fp16 | DataType::Bf16);
+            let mut out = JsonOutputTensor {
+                name: o.name.clone(),
+                datatype: o.datatype.as_str().to_string(),
+                shape: o.shape.clone(),
+                parameters: None,
+                data: None,
+            };
             if as_binary {
-                out["parameters"] = serde_json::json!({ "binary_data_size": o.data.len() });
+                out.parameters = Some(serde_json::json!({ "binary_data_size": o.data.len() }));
                 tail.extend_from_slice(&o.data);
             } else {
-                out["data"] = raw_to_json(o);
+                out.data = Some(raw_to_json(o));
             }
             out
         })
         .collect();
-    let mut header = serde_json::json!({
-        "model_name": response.model,
-        "model_version": response.version,
-        "outputs": outputs,
-    });
-    if !response.id.is_empty() {
-        header["id"] = response.id.into();
-    }
+    let header = JsonResponse {
+        model_name: response.model,
+        model_version: response.version,
+        id: (!response.id.is_empty()).then_some(response.id),
+        outputs,
+    };
     let header = serde_json::to_vec(&header).expect("a JSON value serializes");
     if tail.is_empty() {
         return HttpResponse::Ok()

@@ -26,14 +26,14 @@ pub const EXTENSIONS: [&str; 5] = [
     "model_repository",
 ];
 
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]
 pub struct TensorMetadata {
     pub name: String,
     pub datatype: String,
     pub shape: Vec<i64>,
 }
 
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]
 pub struct ModelMetadata {
     pub name: String,
     pub versions: Vec<String>,
@@ -112,7 +112,7 @@ pub fn model_metadata(state: &AppState, m: &RepositoryModel) -> ModelMetadata {
 }
 
 /// One model of the repository index.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]
 pub struct IndexEntry {
     pub name: String,
     #[serde(skip_serializing_if = "String::is_empty")]

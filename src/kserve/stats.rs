@@ -4,13 +4,13 @@ use crate::error::GatewayError;
 use crate::state::{AppState, ServedModel};
 use crate::telemetry::{reason, Metrics};
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 pub struct DurationStat {
     pub count: u64,
     pub ns: u64,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 pub struct InferStats {
     pub success: DurationStat,
     pub fail: DurationStat,
@@ -22,7 +22,7 @@ pub struct InferStats {
     pub cache_miss: DurationStat,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 pub struct ModelStatistics {
     pub name: String,
     pub version: String,
