@@ -1,0 +1,125 @@
+"""Deployment files checked by the tools their users' tooling trusts, since no Docker engine
+or Kubernetes cluster runs here: the Compose specification's schema (vendored by
+check-jsonschema), hadolint and BuildKit's Dockerfile parser, and the Kubernetes API
+schemas of kubernetes-validate (strict: unknown fields fail)."""
+
+import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import dockerfile
+import kubernetes_validate
+import pytest
+import yaml
+
+from conftest import ROOT
+
+BIN = Path(sys.executable).parent
+K8S = ROOT / "deploy" / "kubernetes"
+K8S_VERSION = "1.37.0"
+
+
+def run(*args):
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=120)
+
+
+def test_compose_file_follows_the_compose_spec():
+    r = run(BIN / "check-jsonschema", "--builtin-schema", "vendor.compose-spec", ROOT / "docker-compose.yml")
+    assert r.returncode == 0, r.stdout + r.stderr
+    # The schema rejects what Compose rejects (the check is not vacuous).
+    broken = ROOT / "test-artifacts" / "broken-compose.yml"
+    broken.parent.mkdir(exist_ok=True)
+    broken.write_text((ROOT / "docker-compose.yml").read_text().replace("restart:", "restart_policy:"))
+    assert run(BIN / "check-jsonschema", "--builtin-schema", "vendor.compose-spec", broken).returncode != 0
+
+
+def test_compose_service_has_ports_gpu_healthcheck_and_restart():
+    (service,) = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"].values()
+    assert service["build"] == "."
+    assert [p.split(":")[0] for p in service["ports"]] == ["8000", "8001", "8002"]
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
+    assert "/v2/health/ready" in " ".join(service["healthcheck"]["test"])
+    assert service["restart"] == "unless-stopped"
+    # The image reads its repository from /models, so `./models:/models` can be mounted.
+    assert "VISIONGATE_MODEL_REPOSITORY=/models" in (ROOT / "Dockerfile").read_text()
+
+
+def test_dockerfile_builds_with_the_readme_setup_and_ships_a_lean_runtime():
+    r = run(BIN / "hadolint", "--failure-threshold", "error", ROOT / "Dockerfile")
+    assert r.returncode == 0, r.stdout + r.stderr
+    commands = dockerfile.parse_file(str(ROOT / "Dockerfile"))
+    stages = [c for c in commands if c.cmd == "FROM"]
+    assert len(stages) == 2, "multi-stage: build, then runtime"
+    runtime_start = commands.index(stages[1])
+    build, runtime = commands[:runtime_start], commands[runtime_start:]
+    assert any(c.cmd == "RUN" and "scripts/setup.sh" in c.value[0] for c in build)
+    copied = [c.value for c in runtime if c.cmd == "COPY"]
+    assert any("/stage/visiongate" in v for v in copied), "the binary"
+    assert any("/stage/models" in v for v in copied), "the model repository"
+    assert any("/stage/opt" in v for v in copied), "libtorch and its CUDA libraries"
+    assert not any(c.cmd == "RUN" and re.search(r"\b(cargo|pip)\b", c.value[0]) for c in runtime)
+    exposed = [p for c in runtime if c.cmd == "EXPOSE" for p in c.value]
+    assert exposed == ["8000", "8001", "8002"]
+    (health,) = [c for c in runtime if c.cmd == "HEALTHCHECK"]
+    assert "/v2/health/ready" in " ".join(health.value)
+
+
+def manifests():
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return {d["kind"]: d for d in docs}
+
+
+@pytest.mark.parametrize("kind", ["Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap"])
+def test_kubernetes_manifests_validate_against_the_api_schema(kind):
+    kubernetes_validate.validate(manifests()[kind], K8S_VERSION, strict=True)
+
+
+def test_kubernetes_validation_rejects_a_wrong_field():
+    bad = copy.deepcopy(manifests()["Deployment"])
+    bad["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def test_kustomization_applies_every_manifest():
+    listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def test_deployment_probes_gpu_scrape_and_grace():
+    m = manifests()
+    pod = m["Deployment"]["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "8002"
+    # Longer than the server's own drain (30 s) plus the preStop pause.
+    assert pod["spec"]["terminationGracePeriodSeconds"] > 30 + container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    service_ports = {p["name"]: p["port"] for p in m["Service"]["spec"]["ports"]}
+    assert service_ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
+
+
+def test_autoscaler_scales_on_the_queue_metric_the_server_exports(server):
+    m = manifests()
+    hpa = m["HorizontalPodAutoscaler"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == m["Deployment"]["metadata"]["name"]
+    (metric,) = hpa["spec"]["metrics"]
+    name = metric["pods"]["metric"]["name"]
+    assert name == "nv_inference_pending_request_count"
+    # The adapter exposes that series under that name...
+    rules = yaml.safe_load(m["ConfigMap"]["data"]["config.yaml"])["rules"]
+    assert any(r["name"]["as"] == name and name in r["seriesQuery"] for r in rules)
+    # ...and the real server exports it on its metrics port.
+    import requests
+
+    text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+    assert re.search(rf"^{name}\{{", text, re.M), f"{name} not exported"
