@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets visiongate up on a fresh machine (only the package registries reachable) and is a
 # no-op when everything is already there: a second run downloads nothing.
-#   1. apt: cmake and nasm (for libjpeg-turbo), only when missing
+#   1. apt: cmake and nasm (for libjpeg-turbo), chromium and node (browser test), only
+#      when missing; playwright-core from npm for the browser test
 #   2. a venv outside the clone with torch==2.13.0 and the model packages
 #   3. the `.libtorch` link to the venv's torch
 #   4. models/classifier/1/model.pt, exported when missing or stale
@@ -12,14 +13,26 @@ cd "$VG_ROOT"
 
 say() { printf '\033[1msetup:\033[0m %s\n' "$*"; }
 
-# 1. System packages.
+# 1. System packages: cmake and nasm build libjpeg-turbo; chromium and node run the
+#    browser test of the upload page.
 need=()
 for tool in cmake nasm; do command -v "$tool" >/dev/null || need+=("$tool"); done
+[[ -x /usr/bin/chromium ]] || need+=(chromium)
+command -v node >/dev/null || need+=(nodejs)
+command -v npm >/dev/null || need+=(npm)
 if ((${#need[@]})); then
   say "installing ${need[*]} (apt)"
   sudo_cmd=(); [[ $(id -u) -eq 0 ]] || sudo_cmd=(sudo)
   "${sudo_cmd[@]}" apt-get update -qq
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+# playwright-core (npm) for tests/browser, as locked; skipped when already installed.
+lock_sum=$(sha256sum tests/browser/package-lock.json | cut -d' ' -f1)
+if [[ $(cat tests/browser/node_modules/.lock.sha256 2>/dev/null) != "$lock_sum" ]]; then
+  say "installing playwright-core (npm) for the browser test"
+  (cd tests/browser && npm ci --no-audit --no-fund --silent)
+  echo "$lock_sum" > tests/browser/node_modules/.lock.sha256
 fi
 
 # 2. Python venv (torch wheel = libtorch for the build, plus the model packages).

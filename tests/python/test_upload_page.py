@@ -1,0 +1,70 @@
+"""The upload page as a person uses it: Debian's chromium, driven by playwright-core from npm
+(tests/browser/upload.mjs), uploads three photos and a broken file to the real server and
+must show each label, the error, the summary, and keyboard reach; screenshots are left in
+test-artifacts/ (upload-page.png, upload-page-phone.png, docs.png)."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import PHOTOS, ROOT
+
+ARTIFACTS = ROOT / "test-artifacts"
+SCRIPT = ROOT / "tests" / "browser" / "upload.mjs"
+
+
+@pytest.fixture(scope="module")
+def page_run(server, tmp_path_factory):
+    chromium = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+    assert os.path.exists(chromium), "chromium is missing: scripts/setup.sh installs it"
+    assert shutil.which("node"), "node is missing: scripts/setup.sh installs it"
+    broken = tmp_path_factory.mktemp("upload") / "holiday.jpg"
+    broken.write_bytes(b"\xff\xd8\xff\xe0 this is not really a JPEG" * 20)
+    photos = [PHOTOS / "small" / n for n in ["sk_chelsea.jpg", "sk_coffee.jpg", "LadyBird.jpg"]]
+    ARTIFACTS.mkdir(exist_ok=True)
+    r = subprocess.run(
+        ["node", str(SCRIPT), server.base, str(ARTIFACTS), *map(str, photos), str(broken)],
+        capture_output=True, text=True, timeout=600, cwd=SCRIPT.parent,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_page_shows_labels_scores_bars_and_the_error(page_run):
+    cards = {c["filename"]: c for c in page_run["cards"]}
+    assert list(cards) == ["sk_chelsea.jpg", "sk_coffee.jpg", "LadyBird.jpg", "holiday.jpg"]
+    assert "cat" in cards["sk_chelsea.jpg"]["label"]
+    assert cards["sk_coffee.jpg"]["label"] == "espresso"
+    assert cards["LadyBird.jpg"]["label"] == "ladybug"  # the first of the label's synonyms
+    assert cards["LadyBird.jpg"]["fullLabel"].startswith("ladybug, ladybeetle")
+    for name in ["sk_chelsea.jpg", "sk_coffee.jpg", "LadyBird.jpg"]:
+        assert cards[name]["score"].endswith("%") and cards[name]["bars"] == 3
+        assert cards[name]["problem"] is None and cards[name]["thumbnailLoaded"]
+    problem = cards["holiday.jpg"]["problem"]
+    assert problem.startswith("Could not classify") and "invalid_image" in problem
+    assert cards["holiday.jpg"]["label"] is None and not cards["holiday.jpg"]["thumbnailLoaded"]
+
+
+def test_page_summarises_and_announces(page_run):
+    assert page_run["chosen"] == "4 images chosen"
+    summary = page_run["summary"]
+    assert summary[0] == "4 images" and summary[1].endswith(" s") and summary[2].endswith("images/s")
+    assert summary[3] == "1 error"
+    assert page_run["status"] == "Done: 3 classified, 1 could not be read."
+
+
+def test_page_is_keyboard_usable_and_fits_a_phone(page_run):
+    order = page_run["tabOrder"]
+    assert order.index("files") < order.index("topk") < order.index("classify"), order
+    assert not page_run["phoneOverflow"], "the page scrolls sideways at 390 px"
+
+
+def test_nothing_leaves_the_machine_and_docs_render(page_run):
+    assert page_run["outside"] == []
+    assert page_run["consoleErrors"] == []
+    assert page_run["docsTitle"].startswith("visiongate") and page_run["docsOperations"] >= 10
+    for shot in ["upload-page.png", "upload-page-phone.png", "docs.png"]:
+        assert (ARTIFACTS / shot).stat().st_size > 10_000, shot
