@@ -1,7 +1,7 @@
 // Drives the upload page in Debian's chromium (headless, through playwright-core): uploads
 // the files given, waits for the results, checks keyboard reach and that no request
 // leaves the machine, and saves screenshots. Prints what the page shows as JSON.
-// Usage: node upload.mjs BASE_URL ARTIFACT_DIR FILE...
+// Usage: [MANY_DIR=dir] node upload.mjs BASE_URL ARTIFACT_DIR FILE...
 import { chromium } from "playwright-core";
 
 const [base, artifacts, ...files] = process.argv.slice(2);
@@ -51,6 +51,26 @@ try {
   await page.setViewportSize({ width: 390, height: 844 });
   out.phoneOverflow = await page.evaluate(() => document.documentElement.scrollWidth > window.innerWidth);
   await page.screenshot({ path: `${artifacts}/upload-page-phone.png` });
+
+  // Many files at once (MANY_DIR: a directory of images, e.g. 1000 of them).
+  if (process.env.MANY_DIR) {
+    const { readdirSync } = await import("node:fs");
+    const many = readdirSync(process.env.MANY_DIR).sort().map((n) => `${process.env.MANY_DIR}/${n}`);
+    await page.setViewportSize({ width: 1200, height: 900 });
+    await page.goto(`${base}/`);
+    await page.setInputFiles("#files", many);
+    const started = Date.now();
+    await page.getByRole("button", { name: "Classify" }).click();
+    await page.waitForSelector("#summary:not([hidden])", { timeout: 600_000 });
+    out.many = {
+      chosen: await page.textContent("#chosen"),
+      cards: await page.$$eval("#results > li", (lis) => lis.length),
+      failed: await page.$$eval("#results > li.failed", (lis) => lis.length),
+      labels: await page.$$eval("#results .top1 .label", (els) => els.slice(0, 3).map((e) => e.textContent)),
+      summary: await page.$$eval("#summary li", (lis) => lis.map((li) => li.textContent.trim())),
+      seconds: (Date.now() - started) / 1000,
+    };
+  }
 
   // /docs: Swagger UI renders the document, from this server alone.
   await page.setViewportSize({ width: 1200, height: 900 });

@@ -24,10 +24,15 @@ def page_run(server, tmp_path_factory):
     broken = tmp_path_factory.mktemp("upload") / "holiday.jpg"
     broken.write_bytes(b"\xff\xd8\xff\xe0 this is not really a JPEG" * 20)
     photos = [PHOTOS / "small" / n for n in ["sk_chelsea.jpg", "sk_coffee.jpg", "LadyBird.jpg"]]
+    # 1000 files in one go, as the page promises (the three photos, over and over).
+    many = tmp_path_factory.mktemp("many")
+    for i in range(1000):
+        (many / f"photo-{i:04d}.jpg").symlink_to(photos[i % 3])
     ARTIFACTS.mkdir(exist_ok=True)
     r = subprocess.run(
         ["node", str(SCRIPT), server.base, str(ARTIFACTS), *map(str, photos), str(broken)],
-        capture_output=True, text=True, timeout=600, cwd=SCRIPT.parent,
+        capture_output=True, text=True, timeout=900, cwd=SCRIPT.parent,
+        env={**os.environ, "MANY_DIR": str(many)},
     )
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -68,3 +73,12 @@ def test_nothing_leaves_the_machine_and_docs_render(page_run):
     assert page_run["docsTitle"].startswith("visiongate") and page_run["docsOperations"] >= 10
     for shot in ["upload-page.png", "upload-page-phone.png", "docs.png"]:
         assert (ARTIFACTS / shot).stat().st_size > 10_000, shot
+
+
+def test_page_takes_1000_images_at_once(page_run):
+    many = page_run["many"]
+    assert many["chosen"] == "1000 images chosen"
+    assert many["cards"] == 1000 and many["failed"] == 0
+    assert many["labels"][0] == "Egyptian cat" and many["labels"][1] == "espresso"
+    assert many["summary"][0] == "1000 images" and many["summary"][3] == "0 errors"
+    print(f"1000 images through the page in {many['seconds']:.1f} s")
