@@ -25,6 +25,17 @@ fn explicit(repo: &Path, load: &[&str]) -> Config {
     c
 }
 
+/// The fake engine (`latency` per batch) in explicit mode on a copy of the bundled
+/// repository whose classifier pins `preferred` (None: as bundled), `ensemble_model`
+/// loaded at start-up.
+async fn start_explicit(tag: &str, preferred: Option<&str>, latency: Duration) -> TestGateway {
+    let repo = temp_repository(tag, |m, t| match preferred {
+        Some(p) => with_preferred(m, t, p),
+        None => t.to_string(),
+    });
+    TestGateway::start_fake(explicit(&repo, &["ensemble_model"]), latency).await
+}
+
 impl TestGateway {
     async fn get(&self, path: &str) -> (u16, Value) {
         let r = self.client.get(self.url(path)).send().await.unwrap();
@@ -84,12 +95,7 @@ fn entry(name: &str, version: &str, state: &str) -> (String, String, String) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn explicit_mode_loads_and_unloads_on_request_with_the_key() {
-    let repo = temp_repository("explicit", |_, t| t.to_string());
-    let gw = TestGateway::start_fake(
-        explicit(&repo, &["ensemble_model"]),
-        Duration::from_millis(1),
-    )
-    .await;
+    let gw = start_explicit("explicit", None, Duration::from_millis(1)).await;
     // Loading the ensemble loaded its steps.
     assert_eq!(
         gw.index().await,
@@ -236,12 +242,7 @@ async fn load_and_unload_are_refused_outside_explicit_mode() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn load_with_a_config_parameter_replaces_config_pbtxt() {
-    let repo = temp_repository("override", |_, t| t.to_string());
-    let gw = TestGateway::start_fake(
-        explicit(&repo, &["ensemble_model"]),
-        Duration::from_millis(1),
-    )
-    .await;
+    let gw = start_explicit("override", None, Duration::from_millis(1)).await;
     let (_, mut config) = gw.get("/v2/models/classifier/config").await;
     assert_eq!(config["max_batch_size"], 64);
     config["max_batch_size"] = json!(8);
@@ -446,13 +447,8 @@ async fn failed_reload_keeps_the_previous_version_serving() {
 #[tokio::test(flavor = "multi_thread")]
 async fn unloaded_model_finishes_the_requests_it_admitted() {
     // One row per batch, 400 ms each: an 8-image upload takes about 1.6 s on 2 instances.
-    let repo = temp_repository("unload-inflight", |m, t| with_preferred(m, t, "[ 1 ]"));
     let gw = std::sync::Arc::new(
-        TestGateway::start_fake(
-            explicit(&repo, &["ensemble_model"]),
-            Duration::from_millis(400),
-        )
-        .await,
+        start_explicit("unload-inflight", Some("[ 1 ]"), Duration::from_millis(400)).await,
     );
     let files: Vec<(String, Vec<u8>)> = (0..8u8)
         .map(|i| (format!("{i}.png"), solid_png(10 + i)))
@@ -582,13 +578,8 @@ async fn poll_mode_follows_the_repository() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn requests_during_reloads_are_all_answered() {
-    let repo = temp_repository("reload-under-load", |m, t| with_preferred(m, t, "[ 2 ]"));
     let gw = std::sync::Arc::new(
-        TestGateway::start_fake(
-            explicit(&repo, &["ensemble_model"]),
-            Duration::from_millis(5),
-        )
-        .await,
+        start_explicit("reload-under-load", Some("[ 2 ]"), Duration::from_millis(5)).await,
     );
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let clients: Vec<_> = (0..4u8)
