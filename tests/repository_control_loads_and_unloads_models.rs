@@ -65,6 +65,11 @@ impl TestGateway {
         (status, serde_json::from_str(&text).unwrap_or(json!(text)))
     }
 
+    /// `control` with the configured key.
+    async fn admin(&self, model: &str, action: &str, body: Value) -> (u16, Value) {
+        self.control(model, action, body, Some(KEY)).await
+    }
+
     async fn index(&self) -> Vec<(String, String, String)> {
         let r = self
             .client
@@ -119,11 +124,10 @@ async fn explicit_mode_loads_and_unloads_on_request_with_the_key() {
     assert_eq!(gw.predict_red(7).await.status, 200);
 
     let (status, body) = gw
-        .control(
+        .admin(
             "ensemble_model",
             "unload",
             json!({"parameters": {"unload_dependents": true}}),
-            Some(KEY),
         )
         .await;
     assert_eq!(status, 200, "{body}");
@@ -144,27 +148,23 @@ async fn explicit_mode_loads_and_unloads_on_request_with_the_key() {
     );
     let (status, _) = gw.get("/v2/models/classifier/ready").await;
     assert_eq!(status, 404);
-    let (status, body) = gw
-        .control("ensemble_model", "unload", json!({}), Some(KEY))
-        .await;
+    let (status, body) = gw.admin("ensemble_model", "unload", json!({})).await;
     // As Triton: unloading a model that is not loaded has no effect and succeeds.
     assert_eq!(status, 200, "{body}");
 
     // Loading just the classifier serves it; the ensemble stays unloaded.
-    let (status, body) = gw.control("classifier", "load", json!({}), Some(KEY)).await;
+    let (status, body) = gw.admin("classifier", "load", json!({})).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(gw.get("/v2/models/classifier/ready").await.0, 200);
     assert_eq!(gw.predict_red(7).await.status, 404);
 
-    let (status, body) = gw
-        .control("ensemble_model", "load", json!({}), Some(KEY))
-        .await;
+    let (status, body) = gw.admin("ensemble_model", "load", json!({})).await;
     assert_eq!(status, 200, "{body}");
     let reply = gw.predict_red(7).await;
     assert_eq!(reply.status, 200, "{}", reply.json);
     assert_eq!(reply.results()[0]["class_id"], 7);
 
-    let (status, body) = gw.control("resnet50", "load", json!({}), Some(KEY)).await;
+    let (status, body) = gw.admin("resnet50", "load", json!({})).await;
     assert_eq!(status, 400, "{body}");
     assert!(
         body["error"]
@@ -174,11 +174,10 @@ async fn explicit_mode_loads_and_unloads_on_request_with_the_key() {
         "{body}"
     );
     let (status, body) = gw
-        .control(
+        .admin(
             "classifier",
             "load",
             json!({"parameters": {"file:1/model.pt": "AAAA"}}),
-            Some(KEY),
         )
         .await;
     assert_eq!(status, 400, "{body}");
@@ -211,9 +210,7 @@ async fn explicit_mode_starts_with_only_the_named_models_and_lists_the_rest() {
 async fn load_and_unload_are_refused_outside_explicit_mode() {
     // No key configured: closed, whatever the header says.
     let gw = TestGateway::start_fake(Config::for_tests(), Duration::from_millis(1)).await;
-    let (status, body) = gw
-        .control("classifier", "unload", json!({}), Some(KEY))
-        .await;
+    let (status, body) = gw.admin("classifier", "unload", json!({})).await;
     assert_eq!(status, 403, "{body}");
     assert!(
         body["error"]
@@ -228,9 +225,7 @@ async fn load_and_unload_are_refused_outside_explicit_mode() {
     let mut c = Config::for_tests();
     c.repository_control_key = Some(format!("{KEY_HEADER}={KEY}"));
     let gw = TestGateway::start_fake(c, Duration::from_millis(1)).await;
-    let (status, body) = gw
-        .control("classifier", "unload", json!({}), Some(KEY))
-        .await;
+    let (status, body) = gw.admin("classifier", "unload", json!({})).await;
     assert_eq!(status, 400, "{body}");
     assert!(
         body["error"].as_str().unwrap().contains("explicit"),
@@ -248,11 +243,10 @@ async fn load_with_a_config_parameter_replaces_config_pbtxt() {
     config["max_batch_size"] = json!(8);
     config["dynamic_batching"]["preferred_batch_size"] = json!([4]);
     let (status, body) = gw
-        .control(
+        .admin(
             "classifier",
             "load",
             json!({"parameters": {"config": config.to_string()}}),
-            Some(KEY),
         )
         .await;
     assert_eq!(status, 200, "{body}");
@@ -275,12 +269,7 @@ async fn load_with_a_config_parameter_replaces_config_pbtxt() {
         ),
     ] {
         let (status, body) = gw
-            .control(
-                "classifier",
-                "load",
-                json!({"parameters": {"config": bad}}),
-                Some(KEY),
-            )
+            .admin("classifier", "load", json!({"parameters": {"config": bad}}))
             .await;
         assert_eq!(status, 400, "{body}");
         assert!(body["error"].as_str().unwrap().contains(needle), "{body}");
@@ -296,11 +285,10 @@ async fn load_with_a_config_parameter_replaces_config_pbtxt() {
     let mut wide = now.clone();
     wide["input"][0]["dims"] = json!(["3", "299", "299"]);
     let (status, body) = gw
-        .control(
+        .admin(
             "classifier",
             "load",
             json!({"parameters": {"config": wide.to_string()}}),
-            Some(KEY),
         )
         .await;
     assert_eq!(status, 200, "{body}");
@@ -311,7 +299,7 @@ async fn load_with_a_config_parameter_replaces_config_pbtxt() {
         "{}",
         reply.json
     );
-    let (status, body) = gw.control("classifier", "load", json!({}), Some(KEY)).await;
+    let (status, body) = gw.admin("classifier", "load", json!({})).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(gw.predict_red(9).await.results()[0]["class_id"], 9);
     gw.stop().await;
@@ -408,7 +396,7 @@ async fn failed_reload_keeps_the_previous_version_serving() {
         b"not a TorchScript archive",
     )
     .unwrap();
-    let (status, body) = gw.control("classifier", "load", json!({}), Some(KEY)).await;
+    let (status, body) = gw.admin("classifier", "load", json!({})).await;
     assert_eq!(status, 400, "{body}");
     let error = body["error"].as_str().unwrap();
     assert!(error.contains("previous versions keep serving"), "{error}");
@@ -426,7 +414,7 @@ async fn failed_reload_keeps_the_previous_version_serving() {
     std::fs::remove_file(repo.join("classifier/2/model.pt")).unwrap();
     let model = std::fs::read_link(repo.join("classifier/1/model.pt")).unwrap();
     std::os::unix::fs::symlink(model, repo.join("classifier/2/model.pt")).unwrap();
-    let (status, body) = gw.control("classifier", "load", json!({}), Some(KEY)).await;
+    let (status, body) = gw.admin("classifier", "load", json!({})).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(
         gw.get("/v2/models/classifier").await.1["versions"],
@@ -467,11 +455,10 @@ async fn unloaded_model_finishes_the_requests_it_admitted() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let (status, body) = gw
-        .control(
+        .admin(
             "ensemble_model",
             "unload",
             json!({"parameters": {"unload_dependents": true}}),
-            Some(KEY),
         )
         .await;
     assert_eq!(status, 200, "{body}");
@@ -599,7 +586,7 @@ async fn requests_during_reloads_are_all_answered() {
         })
         .collect();
     for _ in 0..5 {
-        let (status, body) = gw.control("classifier", "load", json!({}), Some(KEY)).await;
+        let (status, body) = gw.admin("classifier", "load", json!({})).await;
         assert_eq!(status, 200, "{body}");
     }
     stop.store(true, std::sync::atomic::Ordering::SeqCst);

@@ -180,7 +180,6 @@ impl AppState {
     /// `config.pbtxt` for this load. Returns once the new versions serve; on failure the
     /// old ones still do.
     pub async fn load_model(&self, name: &str, config: Option<String>) -> Result<(), GatewayError> {
-        let _guard = self.control_lock.lock().await;
         let root = self.control.repository.clone();
         let model = name.to_string();
         let scan = tokio::task::spawn_blocking(move || {
@@ -188,27 +187,29 @@ impl AppState {
             if let Some(json) = config {
                 let dir = root.join(&model);
                 if !dir.is_dir() {
-                    return Ok(Err(format!(
+                    return Err(invalid(format!(
                         "no model directory '{model}' in the repository"
                     )));
                 }
-                let parsed = repository::parse_model_config_json(&model, &json)
-                    .and_then(|c| repository::load_model_with(&dir, &model, c));
+                let versions = repository::parse_model_config_json(&model, &json)
+                    .and_then(|c| repository::load_model_with(&dir, &model, c))
+                    .map_err(|e| invalid(e.to_string()))?;
                 scan.models.retain(|m| m.name.as_str() != model);
                 scan.failures.retain(|f| f.model != model);
-                match parsed {
-                    Ok(versions) => scan.models.extend(versions),
-                    Err(e) => return Ok(Err(e.to_string())),
-                }
+                scan.models.extend(versions);
             }
-            Ok::<_, repository::RepositoryError>(Ok(scan))
+            Ok(scan)
         })
         .await
-        .map_err(|e| GatewayError::new(ErrorKind::Internal, e.to_string()))?
-        .map_err(GatewayError::from)?
-        .map_err(invalid)?;
+        .map_err(|e| GatewayError::new(ErrorKind::Internal, e.to_string()))??;
+        self.load_scanned(&scan, name).await
+    }
+
+    /// Loads `name` as `scan` found it (see `load_model`).
+    async fn load_scanned(&self, scan: &ScanResult, name: &str) -> Result<(), GatewayError> {
+        let _guard = self.control_lock.lock().await;
         let current = self.models();
-        let mut found = with_steps(&scan, name).map_err(invalid)?;
+        let mut found = with_steps(scan, name).map_err(invalid)?;
         // Steps already serving stay as they are (failed ones load again); the named
         // model itself reloads.
         found.retain(|m| {
@@ -321,7 +322,7 @@ impl AppState {
             if self.models().fingerprints.get(name) == Some(print) {
                 continue;
             }
-            if let Err(e) = self.load_model(name.as_str(), None).await {
+            if let Err(e) = self.load_scanned(&scan, name.as_str()).await {
                 tracing::error!(model = %name, "reload failed: {e}");
                 // Do not retry the same files every poll.
                 let mut table = (*self.models()).clone();
