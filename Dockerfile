@@ -1,38 +1,54 @@
 # visiongate on a GPU host: `docker compose up` (see docker-compose.yml and the README).
 #
-# Build stage: the README's set-up, unchanged (scripts/setup.sh): a venv with the torch
-# wheel (libtorch and its CUDA libraries), the bundled model exported to TorchScript, and
-# the release binary, which links libtorch_cuda.so on purpose.
+# Build stage: the README's set-up (scripts/setup.sh) without the test tools, in layers
+# that change at different rates: the venv with the torch wheel (libtorch and its CUDA
+# libraries) only when scripts/requirements.txt changes, the model export only when the
+# exporter or the model repository changes, then the release binary, which links
+# libtorch_cuda.so on purpose. A source change re-runs only the last step, an incremental
+# cargo build (cargo's registry and target directory live in cache mounts).
 FROM rust:1-bookworm AS build
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv cmake nasm \
+    && apt-get install -y --no-install-recommends python3 python3-venv cmake nasm binutils \
     && rm -rf /var/lib/apt/lists/*
-ENV VISIONGATE_HOME=/opt/visiongate
+ENV VISIONGATE_HOME=/opt/visiongate \
+    CARGO_TARGET_DIR=/cache/target
 WORKDIR /src
-COPY . .
-RUN bash scripts/setup.sh
-# What the runtime needs: the binary, the model repository with its exported model, and
-# libtorch with the CUDA libraries, kept at the same absolute paths (the binary and
-# libtorch find each other through their RUNPATHs).
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-RUN site=$("$VISIONGATE_HOME/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
-    && mkdir -p /stage \
-    && cp -a --parents "$site/torch/lib" "$site/nvidia" /stage/ \
-    && cp "$VISIONGATE_HOME/target/release/visiongate" /stage/visiongate \
-    && cp -a models /stage/models
+COPY scripts/env.sh scripts/setup.sh scripts/requirements.txt scripts/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    bash scripts/setup.sh --no-test-tools venv
+COPY scripts/export_model.py scripts/
+COPY models models
+RUN bash scripts/setup.sh --no-test-tools model
+COPY .cargo .cargo
+COPY Cargo.toml Cargo.lock build.rs ./
+COPY proto proto
+COPY static static
+COPY src src
+COPY scripts/stage-runtime.sh scripts/
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/cache/target \
+    bash scripts/setup.sh --no-test-tools build \
+    && bash scripts/stage-runtime.sh /stage
 
-# Runtime stage: no compiler, no Python. The NVIDIA driver comes from the host (NVIDIA
-# Container Toolkit, requested by the compose file's GPU reservation).
+# Runtime stage: no compiler, no Python; the stripped binary, the model repository and
+# the libraries the binary loads (libtorch, its CUDA libraries, cuDNN's kernel libraries),
+# at the paths the binary and libtorch find each other by (their RUNPATHs). The NVIDIA
+# driver comes from the host (NVIDIA Container Toolkit, asked for by the compose file's
+# GPU reservation).
 FROM debian:bookworm-slim
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends ca-certificates curl libgomp1 \
-    && rm -rf /var/lib/apt/lists/*
+    && apt-get install -y --no-install-recommends ca-certificates curl \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --system --uid 10001 --user-group --no-create-home --home-dir /nonexistent visiongate
 COPY --from=build /stage/opt /opt
-COPY --from=build /stage/visiongate /usr/local/bin/visiongate
 COPY --from=build /stage/models /models
+COPY --from=build /stage/visiongate /usr/local/bin/visiongate
+# Triton's manifests run `tritonserver --model-repository=...`: the same binary answers.
+RUN ln -s visiongate /usr/local/bin/tritonserver
 ENV VISIONGATE_MODEL_REPOSITORY=/models \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
+USER visiongate
 EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
     CMD ["curl", "-fsS", "http://127.0.0.1:8000/v2/health/ready"]

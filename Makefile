@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 ENV := source scripts/env.sh
 
-.PHONY: setup run test bench fmt clippy openapi
+.PHONY: setup run test container-test gpu-kit bench fmt clippy openapi
 
 setup:
 	@bash scripts/setup.sh
@@ -12,11 +12,23 @@ setup:
 run: setup
 	@$(ENV) && exec "$$VISIONGATE_BIN" --model-repository models $(ARGS)
 
-## Every test: Rust unit + integration tests (real libtorch, real photos) and the Python
-## suite (fidelity against the Python reference, real HTTP clients).
+## Every test: Rust unit + integration tests (real libtorch, real photos), the Python
+## suite (fidelity against the Python reference, real HTTP clients) and the container test
+## (the image and `docker compose up`, see container-test).
 test: setup
 	@$(ENV) && cargo test --release
 	@$(ENV) && "$$VISIONGATE_PYTHON" -m pytest -q tests/python
+	@bash scripts/container-test.sh
+
+## The image built from the Dockerfile and `docker compose up` on the CPU, checked as users
+## use it (rootful podman; prepares it first). About 25 minutes cold, a few after an edit.
+container-test:
+	@bash scripts/container-test.sh
+
+## A visiongate build against torch 2.11 (tch 0.24) packed with the model, the test photos
+## and scripts/gpu-check.sh into gpu-kit/ (under 64 MiB), then its check run on this CPU.
+gpu-kit:
+	@bash scripts/gpu-kit.sh
 
 ## Benchmarks (prints figures; not a test).
 bench: setup

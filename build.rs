@@ -5,6 +5,7 @@ use std::path::PathBuf;
 fn main() {
     compile_protos();
     link_libtorch();
+    compile_cuda_shim();
 }
 
 /// `proto/model_config.proto` becomes prost types plus a descriptor set, which the
@@ -82,4 +83,29 @@ fn link_libtorch() {
     }
     println!("cargo:rustc-link-arg=-ltorch");
     println!("cargo:rustc-link-arg=-Wl,--as-needed");
+}
+
+/// `src/engine/cuda_shim.cpp`: the few libtorch calls tch does not expose (TF32, a stream
+/// per instance, CUDA events), built against the same libtorch headers as torch-sys's own
+/// wrapper (same C++ standard and ABI flags).
+fn compile_cuda_shim() {
+    println!("cargo:rerun-if-changed=src/engine/cuda_shim.cpp");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    let lib = PathBuf::from(
+        env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys reports libtorch's lib dir"),
+    );
+    let include = lib
+        .parent()
+        .expect("libtorch's lib dir has a parent")
+        .join("include");
+    let abi = env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_string());
+    cc::Build::new()
+        .cpp(true)
+        .pic(true)
+        .warnings(false)
+        .include(&include)
+        .flag("-std=c++17")
+        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+        .file("src/engine/cuda_shim.cpp")
+        .compile("visiongate_cuda_shim");
 }

@@ -79,6 +79,11 @@ def main() -> int:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".pt.tmp")
     os.close(fd)
     traced.save(tmp)
+    # mkstemp makes the file private (0600); the model is as readable as any file written
+    # here (the server may run as another user, as in the container image).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     os.replace(tmp, model_path)
     with open(stamp_path, "w") as f:
         f.write(want + "\n")

@@ -1,64 +1,87 @@
 #!/usr/bin/env bash
 # Sets visiongate up on a fresh machine (only the package registries reachable) and is a
 # no-op when everything is already there: a second run downloads nothing.
-#   1. apt: cmake and nasm (for libjpeg-turbo), chromium and node (browser test), only
-#      when missing; playwright-core from npm for the browser test
-#   2. a venv outside the clone with torch==2.13.0 and the model packages
-#   3. the `.libtorch` link to the venv's torch
-#   4. models/classifier/1/model.pt, exported when missing or stale
-#   5. cargo build --release
+#
+#   scripts/setup.sh [--no-test-tools] [STEP...]
+#
+# Steps, in order (all of them when none is named):
+#   packages  apt: cmake and nasm (libjpeg-turbo), and for the tests chromium and node,
+#             only when missing; playwright-core from npm for the browser test
+#   venv      a venv outside the clone with torch==2.13.0 and the model packages
+#             (scripts/requirements.txt), plus the test packages (requirements-test.txt)
+#   model     models/classifier/1/model.pt, exported when missing or stale
+#   build     the `.libtorch` link to the venv's torch, then cargo build --release
+# --no-test-tools leaves out what only the tests use (chromium, node, playwright-core and
+# requirements-test.txt): what the Dockerfile's build stage runs.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$VG_ROOT"
 
 say() { printf '\033[1msetup:\033[0m %s\n' "$*"; }
 
-# 1. System packages: cmake and nasm build libjpeg-turbo; chromium and node run the
-#    browser test of the upload page.
-need=()
-for tool in cmake nasm; do command -v "$tool" >/dev/null || need+=("$tool"); done
-[[ -x /usr/bin/chromium ]] || need+=(chromium)
-command -v node >/dev/null || need+=(nodejs)
-command -v npm >/dev/null || need+=(npm)
-if ((${#need[@]})); then
-  say "installing ${need[*]} (apt)"
-  sudo_cmd=(); [[ $(id -u) -eq 0 ]] || sudo_cmd=(sudo)
-  "${sudo_cmd[@]}" apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "${need[@]}" >/dev/null
+test_tools=1
+steps=()
+for arg in "$@"; do
+  case $arg in
+    --no-test-tools) test_tools=0 ;;
+    packages | venv | model | build) steps+=("$arg") ;;
+    *) echo "setup: unknown argument '$arg' (steps: packages venv model build; --no-test-tools)" >&2; exit 2 ;;
+  esac
+done
+((${#steps[@]})) || steps=(packages venv model build)
+wants() { [[ " ${steps[*]} " == *" $1 "* ]]; }
+
+if wants packages; then
+  need=()
+  for tool in cmake nasm; do command -v "$tool" >/dev/null || need+=("$tool"); done
+  if ((test_tools)); then
+    [[ -x /usr/bin/chromium ]] || need+=(chromium)
+    command -v node >/dev/null || need+=(nodejs)
+    command -v npm >/dev/null || need+=(npm)
+  fi
+  if ((${#need[@]})); then
+    say "installing ${need[*]} (apt)"
+    sudo_cmd=(); [[ $(id -u) -eq 0 ]] || sudo_cmd=(sudo)
+    "${sudo_cmd[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "${need[@]}" >/dev/null
+  fi
+  # playwright-core (npm) for tests/browser, as locked; skipped when already installed.
+  lock_sum=$(sha256sum tests/browser/package-lock.json 2>/dev/null | cut -d' ' -f1)
+  if ((test_tools)) && [[ $(cat tests/browser/node_modules/.lock.sha256 2>/dev/null) != "$lock_sum" ]]; then
+    say "installing playwright-core (npm) for the browser test"
+    (cd tests/browser && npm ci --no-audit --no-fund --silent)
+    echo "$lock_sum" > tests/browser/node_modules/.lock.sha256
+  fi
 fi
 
-# playwright-core (npm) for tests/browser, as locked; skipped when already installed.
-lock_sum=$(sha256sum tests/browser/package-lock.json | cut -d' ' -f1)
-if [[ $(cat tests/browser/node_modules/.lock.sha256 2>/dev/null) != "$lock_sum" ]]; then
-  say "installing playwright-core (npm) for the browser test"
-  (cd tests/browser && npm ci --no-audit --no-fund --silent)
-  echo "$lock_sum" > tests/browser/node_modules/.lock.sha256
-fi
-
-# 2. Python venv (torch wheel = libtorch for the build, plus the model packages).
-req=scripts/requirements.txt
-want=$(sha256sum "$req" | cut -d' ' -f1)
-if [[ ! -x $VG_PY ]]; then
-  say "creating venv at $VG_VENV"
-  mkdir -p "$(dirname "$VG_VENV")"
-  python3 -m venv "$VG_VENV"
-fi
-if [[ $(cat "$VG_VENV/.requirements.sha256" 2>/dev/null) != "$want" ]]; then
-  say "installing $req into the venv (torch with its CUDA libraries: about 5 GB)"
-  "$VG_PY" -m pip install -q --disable-pip-version-check -r "$req"
-  echo "$want" > "$VG_VENV/.requirements.sha256"
+if wants venv; then
+  # The torch wheel is libtorch for the build; the model packages export the model.
+  reqs=(scripts/requirements.txt)
+  ((test_tools)) && reqs+=(scripts/requirements-test.txt)
+  want=$(cat "${reqs[@]}" | sha256sum | cut -d' ' -f1)
+  if [[ ! -x $VG_PY ]]; then
+    say "creating venv at $VG_VENV"
+    mkdir -p "$(dirname "$VG_VENV")"
+    python3 -m venv "$VG_VENV"
+  fi
+  if [[ $(cat "$VG_VENV/.requirements.sha256" 2>/dev/null) != "$want" ]]; then
+    say "installing ${reqs[*]} into the venv (torch with its CUDA libraries: about 5 GB)"
+    "$VG_PY" -m pip install -q --disable-pip-version-check "${reqs[@]/#/-r}"
+    echo "$want" > "$VG_VENV/.requirements.sha256"
+  fi
 fi
 source scripts/env.sh  # now that the venv exists, LIBTORCH is known
 
-# 3. The link .cargo/config.toml points LIBTORCH at, for plain `cargo build` in this clone.
-if [[ $(readlink .libtorch 2>/dev/null) != "$LIBTORCH" ]]; then
-  ln -sfn "$LIBTORCH" .libtorch
+if wants model; then
+  "$VG_PY" scripts/export_model.py
 fi
 
-# 4. The bundled model (skipped when up to date).
-"$VG_PY" scripts/export_model.py
-
-# 5. The server.
-say "cargo build --release (target: $CARGO_TARGET_DIR)"
-cargo build --release --quiet
-say "ready: $VG_BIN"
+if wants build; then
+  # The link .cargo/config.toml points LIBTORCH at, for plain `cargo build` in this clone.
+  if [[ $(readlink .libtorch 2>/dev/null) != "$LIBTORCH" ]]; then
+    ln -sfn "$LIBTORCH" .libtorch
+  fi
+  say "cargo build --release (target: $CARGO_TARGET_DIR)"
+  cargo build --release --quiet
+  say "ready: $VG_BIN"
+fi

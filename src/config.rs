@@ -105,10 +105,18 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_DECODE_THREADS", default_value_t = 0)]
     pub decode_threads: usize,
 
-    /// libtorch intra-op threads per CPU instance. 1 is best when there are as many
-    /// instances as cores: more threads per instance spin-wait against each other.
+    /// libtorch intra-op threads per model instance. 1 is best when there are as many CPU
+    /// instances as cores: more threads per instance spin-wait against each other. GPU
+    /// instances keep to it too, leaving the cores to decoding.
     #[arg(long, env = "VISIONGATE_INTRA_OP_THREADS", default_value_t = 1)]
     pub intra_op_threads: usize,
+
+    /// TF32 on NVIDIA GPUs that have it (Ampere and later): FP32 convolutions and matmuls
+    /// with a 10-bit mantissa, several times faster. `default` keeps libtorch's choice (on
+    /// for cuDNN convolutions, off for cuBLAS matmuls); `on` and `off` set both. No effect
+    /// on the CPU.
+    #[arg(long, env = "VISIONGATE_TF32", value_enum, default_value = "default")]
+    pub tf32: Tf32,
 
     /// Requests that may wait in a model's queue when its config.pbtxt sets no
     /// `default_queue_policy.max_queue_size`. One more is refused at once with 503.
@@ -126,6 +134,14 @@ pub struct Config {
     /// Lower is faster on large photos; higher is closer to a full-size decode.
     #[arg(long, env = "VISIONGATE_DCT_SCALING_MIN_SIDE")]
     pub dct_scaling_min_side: Option<u32>,
+}
+
+/// `--tf32`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Tf32 {
+    Default,
+    On,
+    Off,
 }
 
 /// Validated settings, passed down as one struct.

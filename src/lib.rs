@@ -65,13 +65,25 @@ impl Gateway {
         let (factory, gpu_count): (EngineFactory, usize) = match engine {
             EngineChoice::Torch => {
                 let factory: EngineFactory = Arc::new(move |path, id| {
-                    if id.gpu.is_none() {
-                        // Per thread: libtorch's intra-op pool size is a thread-local setting.
-                        tch::set_num_threads(intra as i32);
-                    }
+                    // Per thread: libtorch's intra-op pool size is a thread-local setting.
+                    // GPU instances too, so the little CPU work they do (the copy into the
+                    // staging buffer) never spreads over the cores decoding needs.
+                    tch::set_num_threads(intra as i32);
                     Ok(Box::new(TorchEngine::load(path, id.gpu)?) as Box<dyn Engine>)
                 });
-                (factory, engine::cuda_device_count())
+                let gpus = engine::cuda_device_count();
+                if cfg.tf32 != config::Tf32::Default {
+                    engine::cuda::set_allow_tf32(cfg.tf32 == config::Tf32::On)
+                        .map_err(|e| anyhow::anyhow!("--tf32: {e}"))?;
+                }
+                if gpus > 0 {
+                    let (cudnn, cublas) = engine::cuda::allow_tf32();
+                    tracing::info!(
+                        gpus,
+                        "TF32: cuDNN convolutions {cudnn}, cuBLAS matmuls {cublas}"
+                    );
+                }
+                (factory, gpus)
             }
             EngineChoice::Fake {
                 num_classes,

@@ -1,6 +1,7 @@
 //! Model execution behind a small synchronous trait, so the scheduler can be tested with
 //! a fake. An engine is owned by one instance thread and never sees tasks or channels.
 
+pub mod cuda;
 mod fake;
 mod torch;
 

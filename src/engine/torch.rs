@@ -4,8 +4,9 @@ use std::time::Instant;
 
 use tch::{CModule, Device, Kind, Tensor};
 
+use super::cuda;
 use super::{BatchInput, ComputeTimings, Engine, EngineError, EngineOutput, OutputRequest};
-use crate::domain::ClassScore;
+use crate::domain::{ClassScore, Normalize};
 
 /// Number of CUDA devices libtorch sees (0 without a GPU or without CUDA libraries).
 pub fn cuda_device_count() -> usize {
@@ -19,6 +20,15 @@ pub fn cuda_device_count() -> usize {
 pub struct TorchEngine {
     module: CModule,
     device: Device,
+    /// Host buffer the u8 rows of a batch are copied into; page-locked on a GPU, so the
+    /// copy to the device is a non-blocking DMA on this instance's stream. Grows to the
+    /// largest batch seen, then is reused.
+    staging: Option<Tensor>,
+    /// The normalization's mean and std as `[1, 3, 1, 1]` tensors on the device, made
+    /// once per instance (and again only if a batch asks for different values).
+    normalize: Option<(Normalize, Tensor, Tensor)>,
+    /// On a GPU: events around input, forward and output on this instance's stream.
+    events: Option<[cuda::Event; 4]>,
 }
 
 fn exec(e: tch::TchError) -> EngineError {
@@ -27,29 +37,102 @@ fn exec(e: tch::TchError) -> EngineError {
 
 impl TorchEngine {
     /// Loads the module onto `gpu` (CUDA ordinal) or the CPU, in eval mode. Call it on the
-    /// thread that will run it.
+    /// thread that will run it: on a GPU that thread gets a stream of its own first.
     pub fn load(path: &Path, gpu: Option<u32>) -> Result<Self, EngineError> {
-        let device = match gpu {
-            Some(i) => Device::Cuda(i as usize),
-            None => Device::Cpu,
-        };
-        let mut module = CModule::load_on_device(path, device).map_err(|e| EngineError::Load {
+        let load_error = |message: String| EngineError::Load {
             path: path.display().to_string(),
-            message: e.to_string(),
-        })?;
+            message,
+        };
+        let (device, events) = match gpu {
+            Some(i) => {
+                cuda::use_pool_stream(i as usize).map_err(load_error)?;
+                let event = || cuda::Event::new().map_err(load_error);
+                let events = [event()?, event()?, event()?, event()?];
+                (Device::Cuda(i as usize), Some(events))
+            }
+            None => (Device::Cpu, None),
+        };
+        let mut module =
+            CModule::load_on_device(path, device).map_err(|e| load_error(e.to_string()))?;
         module.set_eval();
-        Ok(Self { module, device })
+        Ok(Self {
+            module,
+            device,
+            staging: None,
+            normalize: None,
+            events,
+        })
     }
 
-    /// CUDA runs asynchronously: wait for the device so the timings split honestly.
-    fn sync(&self) {
-        if let Device::Cuda(i) = self.device {
-            tch::Cuda::synchronize(i as i64);
+    /// Marks the point `i` (0: start, 1: input ready, 2: forward done, 3: output on the
+    /// host) on this instance's stream; a no-op on the CPU.
+    fn mark(&mut self, i: usize) -> Result<(), tch::TchError> {
+        if let (Some(events), Device::Cuda(index)) = (self.events.as_mut(), self.device) {
+            events[i].record(index).map_err(tch::TchError::Torch)?;
         }
+        Ok(())
     }
 
-    fn input_tensor(&self, input: BatchInput<'_>) -> Result<Tensor, tch::TchError> {
+    /// Where the batch's time went: CUDA events on a GPU (waiting for this instance's
+    /// stream only), wall-clock instants on the CPU.
+    fn timings(&self, instants: [Instant; 4]) -> Result<ComputeTimings, tch::TchError> {
+        let Some(e) = &self.events else {
+            return Ok(ComputeTimings {
+                input: instants[1] - instants[0],
+                infer: instants[2] - instants[1],
+                output: instants[3] - instants[2],
+            });
+        };
+        let torch = tch::TchError::Torch;
+        e[3].synchronize().map_err(torch)?;
+        Ok(ComputeTimings {
+            input: e[0].elapsed(&e[1]).map_err(torch)?,
+            infer: e[1].elapsed(&e[2]).map_err(torch)?,
+            output: e[2].elapsed(&e[3]).map_err(torch)?,
+        })
+    }
+
+    /// `data` in the staging buffer, as a `[len]` u8 tensor on the host.
+    fn stage(&mut self, data: &[u8]) -> Result<Tensor, tch::TchError> {
+        let len = data.len() as i64;
+        let big_enough = self
+            .staging
+            .as_ref()
+            .is_some_and(|s| s.size1().ok() >= Some(len));
+        if !big_enough {
+            let buffer = Tensor::f_empty([len], (Kind::Uint8, Device::Cpu))?;
+            self.staging = Some(match self.device {
+                Device::Cuda(_) => buffer.f_pin_memory(self.device)?,
+                _ => buffer,
+            });
+        }
+        let staging = self.staging.as_ref().expect("staging allocated just above");
+        // SAFETY: `staging` is a contiguous u8 tensor of at least `len` bytes that this
+        // engine owns; no copy out of it is in flight (the previous batch's copy to the
+        // device finished before its outputs reached the host).
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), staging.data_ptr() as *mut u8, data.len());
+        }
+        staging.f_narrow(0, 0, len)
+    }
+
+    /// The normalization's mean and std on the device, made once.
+    fn normalize(&mut self, want: Normalize) -> Result<(&Tensor, &Tensor), tch::TchError> {
+        if self.normalize.as_ref().map(|n| n.0) != Some(want) {
+            let on_device = |v: &[f32; 3]| -> Result<Tensor, tch::TchError> {
+                Tensor::f_from_slice(v)?
+                    .f_view([1, 3, 1, 1])?
+                    .f_to_device(self.device)
+            };
+            self.normalize = Some((want, on_device(&want.mean)?, on_device(&want.std)?));
+        }
+        let (_, mean, std) = self.normalize.as_ref().expect("normalize set just above");
+        Ok((mean, std))
+    }
+
+    fn input_tensor(&mut self, input: BatchInput<'_>) -> Result<Tensor, tch::TchError> {
         let rows = input.rows() as i64;
+        let cuda = self.device.is_cuda();
         match input {
             BatchInput::Images {
                 data,
@@ -62,18 +145,15 @@ impl TorchEngine {
                 // The permuted view keeps the NHWC layout ("channels-last" strides), which
                 // the exported model is laid out for; no copy back to NCHW.
                 let shape = [rows, height as i64, width as i64, 3];
-                let x = Tensor::f_from_data_size(data, &shape, Kind::Uint8)?
-                    .f_to_device(self.device)?
+                let x = self
+                    .stage(data)?
+                    .f_view(shape)?
+                    .f_to_device_(self.device, Kind::Uint8, cuda, false)?
                     .f_permute([0, 3, 1, 2])?
                     .f_to_kind(Kind::Float)?
                     .f_div_scalar(255.0)?;
-                let mean = Tensor::f_from_slice(&normalize.mean)?
-                    .f_view([1, 3, 1, 1])?
-                    .f_to_device(self.device)?;
-                let std = Tensor::f_from_slice(&normalize.std)?
-                    .f_view([1, 3, 1, 1])?
-                    .f_to_device(self.device)?;
-                x.f_sub(&mean)?.f_div(&std)
+                let (mean, std) = self.normalize(normalize)?;
+                x.f_sub(mean)?.f_div(std)
             }
             BatchInput::Tensors {
                 data,
@@ -97,11 +177,12 @@ impl TorchEngine {
         let _no_grad = tch::no_grad_guard();
         let rows = input.rows();
         let t0 = Instant::now();
+        self.mark(0)?;
         let x = self.input_tensor(input)?;
-        self.sync();
+        self.mark(1)?;
         let t1 = Instant::now();
         let logits = self.module.forward_ts(&[x])?;
-        self.sync();
+        self.mark(2)?;
         let t2 = Instant::now();
         let size = logits.size();
         if size.len() != 2 || size[0] != rows as i64 {
@@ -142,11 +223,8 @@ impl TorchEngine {
                 .f_flatten(0, -1)?;
             out.logits = Some(Vec::<f32>::try_from(&host)?);
         }
-        out.timings = ComputeTimings {
-            input: t1 - t0,
-            infer: t2 - t1,
-            output: t2.elapsed(),
-        };
+        self.mark(3)?;
+        out.timings = self.timings([t0, t1, t2, Instant::now()])?;
         Ok(out)
     }
 }

@@ -38,13 +38,39 @@ def test_compose_file_follows_the_compose_spec():
 def test_compose_service_has_ports_gpu_healthcheck_and_restart():
     (service,) = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"].values()
     assert service["build"] == "."
-    assert [p.split(":")[0] for p in service["ports"]] == ["8000", "8001", "8002"]
+    # Container ports 8000-8002, published on the same host ports unless overridden.
+    published = [p.split()[0] for p in service["ports"]]
+    assert [p.rsplit(":", 1)[1] for p in published] == ["8000", "8001", "8002"]
+    assert [re.sub(r"\$\{[A-Z_]+:-(\d+)\}", r"\1", p.rsplit(":", 1)[0]) for p in published] == [
+        "8000",
+        "8001",
+        "8002",
+    ]
     (device,) = service["deploy"]["resources"]["reservations"]["devices"]
     assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
     assert "/v2/health/ready" in " ".join(service["healthcheck"]["test"])
     assert service["restart"] == "unless-stopped"
     # The image reads its repository from /models, so `./models:/models` can be mounted.
     assert "VISIONGATE_MODEL_REPOSITORY=/models" in (ROOT / "Dockerfile").read_text()
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """YAML as Compose reads it: `!reset` drops what the files before it set."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: "!reset")
+
+
+def test_cpu_override_drops_only_the_gpu_reservation():
+    (service,) = yaml.load((ROOT / "docker-compose.cpu.yml").read_text(), ComposeLoader)["services"].values()
+    assert service["deploy"] == "!reset"
+    assert set(service) == {"deploy", "environment"}, "the CPU override changes nothing else"
+    # The README's CPU command is the one the container test runs.
+    command = "docker compose -f docker-compose.yml -f docker-compose.cpu.yml up -d --wait"
+    assert command in (ROOT / "README.md").read_text()
+    assert "COMPOSE_FILES=(-f docker-compose.yml -f docker-compose.cpu.yml)" in (
+        ROOT / "scripts" / "container-test.sh"
+    ).read_text()
 
 
 def test_dockerfile_builds_with_the_readme_setup_and_ships_a_lean_runtime():
@@ -55,7 +81,16 @@ def test_dockerfile_builds_with_the_readme_setup_and_ships_a_lean_runtime():
     assert len(stages) == 2, "multi-stage: build, then runtime"
     runtime_start = commands.index(stages[1])
     build, runtime = commands[:runtime_start], commands[runtime_start:]
-    assert any(c.cmd == "RUN" and "scripts/setup.sh" in c.value[0] for c in build)
+    setup_runs = [c for c in build if c.cmd == "RUN" and "scripts/setup.sh" in c.value[0]]
+    assert setup_runs and all("--no-test-tools" in c.value[0] for c in setup_runs), "the set-up, without test tools"
+    # Dependencies before sources: the venv and model layers come before any source copy.
+    copies = [c.value for c in build if c.cmd == "COPY"]
+    first_src = next(i for i, v in enumerate(copies) if "src" in v)
+    assert any("scripts/requirements.txt" in v for v in copies[:first_src])
+    assert all("." not in v[:-1] for v in copies), "no `COPY . .`: a source edit must not redo the venv"
+    assert any(
+        "build" in c.value[0] and "--mount=type=cache,target=/cache/target" in c.flags for c in setup_runs
+    ), "cargo's target in a cache mount"
     copied = [c.value for c in runtime if c.cmd == "COPY"]
     assert any("/stage/visiongate" in v for v in copied), "the binary"
     assert any("/stage/models" in v for v in copied), "the model repository"
@@ -65,6 +100,13 @@ def test_dockerfile_builds_with_the_readme_setup_and_ships_a_lean_runtime():
     assert exposed == ["8000", "8001", "8002"]
     (health,) = [c for c in runtime if c.cmd == "HEALTHCHECK"]
     assert "/v2/health/ready" in " ".join(health.value)
+    (user,) = [c.value[0] for c in runtime if c.cmd == "USER"]
+    assert user not in ("root", "0")
+    assert any(c.cmd == "RUN" and "/usr/local/bin/tritonserver" in c.value[0] for c in runtime)
+    # What the build context leaves out.
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    for path in (".git", "target", ".libtorch", "gpu-kit", "tests", "Dockerfile", "models/*/[0-9]*/model.pt"):
+        assert path in ignored, path
 
 
 def manifests():

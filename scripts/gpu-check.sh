@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# visiongate's check on a GPU host, run from the folder `make gpu-kit` packs:
+#   bash gpu-check.sh [--cpu] [--out DIR] [--images N]
+# The binary loads the host's libtorch: the lib directory of the PyTorch that `python3`
+# (or $PYTHON) imports goes first on LD_LIBRARY_PATH. It reports:
+#   - the device of each classifier instance;
+#   - top-1 agreement and the largest difference of any class probability between the GPU
+#     path and the CPU path (CUDA hidden) on the kit's photos, with TF32 off and on;
+#   - the throughput of one /predict request of N images (default 1000) with 4, 8 and
+#     all-but-one decode threads, and the GPU utilisation nvidia-smi samples meanwhile.
+# --cpu runs all of it with CUDA hidden (200 images), so the kit is tested on machines
+# without a GPU: the two "GPU" runs must then agree with the CPU run exactly in top-1.
+# The report goes to stdout and DIR/report.txt (default ./gpu-check-out), with each
+# server's log beside it.
+set -euo pipefail
+KIT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+PY=${PYTHON:-python3}
+cpu_only=0
+out=$PWD/gpu-check-out
+images=
+while (($#)); do
+  case $1 in
+    --cpu) cpu_only=1 ;;
+    --out) out=$2; shift ;;
+    --images) images=$2; shift ;;
+    *) echo "usage: gpu-check.sh [--cpu] [--out DIR] [--images N]" >&2; exit 2 ;;
+  esac
+  shift
+done
+images=${images:-$((cpu_only ? 200 : 1000))}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+report=$out/report.txt
+: > "$report"
+say() { echo "$*" | tee -a "$report"; }
+
+torch_lib=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+export LD_LIBRARY_PATH=$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+say "# visiongate GPU check ($(cat "$KIT/BUILD" 2>/dev/null || echo 'unknown build'))"
+say "host: $(nproc) cores; torch $("$PY" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)') from $torch_lib"
+if ((cpu_only)); then
+  say "mode: --cpu (CUDA hidden in every run)"
+  gpu_env=(CUDA_VISIBLE_DEVICES=)
+else
+  command -v nvidia-smi > /dev/null && say "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/gpu: /')"
+  gpu_env=()
+fi
+
+# The Python half (standard library only): uploads, comparisons, free ports.
+helper=$out/helper.py
+cat > "$helper" <<'EOF'
+import json, socket, sys, time, urllib.request, uuid
+from pathlib import Path
+
+def photos(folder):
+    return sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+
+def predict(url, files, top_k):
+    boundary = uuid.uuid4().hex
+    parts = []
+    for name, data in files:
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="files"; filename="{name}"\r\n'
+                     "Content-Type: application/octet-stream\r\n\r\n".encode() + data + b"\r\n")
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    req = urllib.request.Request(f"{url}/predict?top_k={top_k}", data=body,
+                                 headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        answer = json.load(r)
+    return answer, time.perf_counter() - start
+
+cmd, args = sys.argv[1], sys.argv[2:]
+if cmd == "ports":
+    socks = [socket.socket() for _ in range(3)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    print(*(s.getsockname()[1] for s in socks))
+elif cmd == "classify":  # URL PHOTOS OUT.json: every class's probability per photo
+    url, folder, dest = args
+    files = [(str(p.relative_to(folder)), p.read_bytes()) for p in photos(folder)]
+    answer, _ = predict(url, files, 1000)
+    probs = {}
+    for (name, _), r in zip(files, answer["results"]):
+        if "error" in r:
+            sys.exit(f"{name}: {r['error']}")
+        probs[name] = {c["class_id"]: c["score"] for c in r["top_k"]}
+    Path(dest).write_text(json.dumps(probs))
+elif cmd == "compare":  # REF.json OTHER.json [exact]: top-1 agreement, largest difference
+    ref, other = (json.loads(Path(a).read_text()) for a in args[:2])
+    same = sum(max(ref[n], key=ref[n].get) == max(other[n], key=other[n].get) for n in ref)
+    diff = max(abs(p - other[n].get(c, 0.0)) for n in ref for c, p in ref[n].items())
+    print(f"top-1 agreement {same}/{len(ref)}, largest probability difference {diff:.3g}")
+    if len(args) > 2 and same != len(ref):
+        sys.exit("top-1 differs where it must not")
+elif cmd == "bulk":  # URL PHOTOS N: one request of N images (the photos over and over)
+    url, folder, n = args[0], args[1], int(args[2])
+    pool = [p.read_bytes() for p in photos(folder)]
+    files = [(f"{i}.jpg", pool[i % len(pool)]) for i in range(n)]
+    answer, secs = predict(url, files, 1)
+    failed = [r for r in answer["results"] if "error" in r]
+    if failed:
+        sys.exit(f"{len(failed)} of {n} images failed, e.g. {failed[0]}")
+    print(f"{n} images in {secs:.2f} s: {n / secs:.1f} images/s")
+elif cmd == "utilisation":  # FILE: nvidia-smi samples "util, memory"
+    rows = [l.split(",") for l in Path(args[0]).read_text().splitlines() if l.strip()]
+    util = [float(r[0]) for r in rows]
+    mem = [float(r[1]) for r in rows]
+    if util:
+        print(f"GPU utilisation mean {sum(util) / len(util):.0f} %, max {max(util):.0f} % "
+              f"({len(util)} samples), memory used up to {max(mem):.0f} MiB")
+    else:
+        print("GPU utilisation: no samples")
+EOF
+
+read -r http grpc metrics < <("$PY" "$helper" ports)
+url=http://127.0.0.1:$http
+pid=
+stop_server() {
+  if [[ -n $pid ]]; then
+    kill -TERM "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+    pid=
+  fi
+}
+trap stop_server EXIT
+
+# serve NAME [ENV=VALUE...] -- [FLAG...]: starts the kit's server and waits until ready.
+serve() {
+  local name=$1 envs=()
+  shift
+  while (($#)) && [[ $1 != -- ]]; do envs+=("$1"); shift; done
+  shift
+  env "${envs[@]}" "$KIT/visiongate" --model-repository "$KIT/models" --host 127.0.0.1 \
+    --http-port "$http" --grpc-port "$grpc" --metrics-port "$metrics" "$@" > "$out/$name.log" 2>&1 &
+  pid=$!
+  local start=$SECONDS
+  until curl -fsS "$url/v2/health/ready" > /dev/null 2>&1; do
+    if ! kill -0 "$pid" 2>/dev/null || ((SECONDS - start > 900)); then
+      tail -20 "$out/$name.log" >&2
+      echo "gpu-check: the $name server did not become ready (log: $out/$name.log)" >&2
+      exit 1
+    fi
+    sleep 1
+  done
+  local log
+  log=$(sed 's/\x1b\[[0-9;]*m//g' "$out/$name.log")  # without the log's colours
+  say "[$name] ready in $((SECONDS - start)) s; $(grep 'model ready' <<< "$log" | grep -o 'model="classifier".*' | head -1)"
+  grep -E 'TF32|KIND_GPU' <<< "$log" | sed -E 's/^[^ ]+ +[A-Z]+ +/  /' | tee -a "$report" || true
+}
+
+say ""
+say "## Fidelity: the kit's $(find "$KIT/photos" -name '*.jpg' | wc -l) photos, every class's probability"
+serve cpu CUDA_VISIBLE_DEVICES= -- --decode-threads 4
+"$PY" "$helper" classify "$url" "$KIT/photos" "$out/cpu.json"
+stop_server
+exact=()
+((cpu_only)) && exact=(exact)
+for tf32 in off on; do
+  serve "gpu-tf32-$tf32" "${gpu_env[@]}" -- --tf32 "$tf32" --decode-threads 4
+  "$PY" "$helper" classify "$url" "$KIT/photos" "$out/gpu-tf32-$tf32.json"
+  stop_server
+  say "  GPU (TF32 $tf32) against CPU: $("$PY" "$helper" compare "$out/cpu.json" "$out/gpu-tf32-$tf32.json" "${exact[@]}")"
+done
+
+say ""
+say "## Throughput: one /predict request of $images images"
+all_but_one=$(($(nproc) > 1 ? $(nproc) - 1 : 1))
+for threads in 4 8 "$all_but_one"; do
+  serve "bulk-decode-$threads" "${gpu_env[@]}" -- --decode-threads "$threads"
+  "$PY" "$helper" bulk "$url" "$KIT/photos" 20 > /dev/null  # warm the decoders and allocator
+  sampler=
+  if ((!cpu_only)) && command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 200 \
+      > "$out/nvidia-smi-$threads.csv" &
+    sampler=$!
+  fi
+  result=$("$PY" "$helper" bulk "$url" "$KIT/photos" "$images")
+  util="GPU utilisation: not sampled (no GPU)"
+  if [[ -n $sampler ]]; then
+    kill "$sampler"; wait "$sampler" 2>/dev/null || true
+    util=$("$PY" "$helper" utilisation "$out/nvidia-smi-$threads.csv")
+  fi
+  stop_server
+  say "  decode threads $threads: $result; $util"
+done
+say ""
+say "gpu-check: done (report: $report)"

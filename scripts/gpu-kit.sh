@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# `make gpu-kit`: a visiongate for the GPU hosts this project is lent now and then (PyTorch
+# 2.11.0 with CUDA 13 under Python 3.12, NVIDIA driver 580, no Rust, no package registries,
+# at most 64 MiB of files carried along), packed into gpu-kit/ (git-ignored):
+#   visiongate     built here against torch 2.11.0 (tch/torch-sys 0.24, the releases for
+#                  it) in a venv and target directory of its own, stripped; on the host it
+#                  loads the host's own libtorch (gpu-check.sh sets LD_LIBRARY_PATH)
+#   models/        the bundled repository, model.pt exported by torch 2.11.0
+#   photos/        the test photos (tests/fixtures/photos, with their sources)
+#   gpu-check.sh   the check to run there (scripts/gpu-check.sh)
+# The main build stays on tch 0.26 / torch 2.13.0. Then the kit's CPU mode runs here (the
+# same binary on torch 2.11's CPU path), so the kit cannot rot unnoticed.
+#   scripts/gpu-kit.sh [--no-check]
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$VG_ROOT"
+
+KIT_TORCH=2.11.0
+KIT_TCH=0.24
+KIT_HOME=$VG_HOME/gpu-kit
+KIT=$VG_ROOT/gpu-kit
+LIMIT=$((64 << 20))
+say() { printf '\033[1mgpu-kit:\033[0m %s\n' "$*"; }
+
+# 1. A venv with torch 2.11.0 and the model packages (scripts/requirements.txt, re-pinned).
+venv=$KIT_HOME/venv
+py=$venv/bin/python
+reqs=$(sed -E "s/^torch==.*/torch==$KIT_TORCH/" scripts/requirements.txt)
+if [[ $(cat "$venv/.requirements" 2>/dev/null) != "$reqs" ]]; then
+  say "installing torch==$KIT_TORCH and the model packages into $venv (about 5 GB)"
+  [[ -x $py ]] || python3 -m venv "$venv"
+  "$py" -m pip install -q --disable-pip-version-check -r <(echo "$reqs")
+  echo "$reqs" > "$venv/.requirements"
+fi
+site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+
+# 2. The crate with tch/torch-sys 0.24: the sources are this checkout's (links), only the
+#    manifest differs. Cargo moves just those two crates in the copied lock file.
+crate=$KIT_HOME/crate
+mkdir -p "$crate"
+for item in src proto static build.rs; do ln -sfn "$VG_ROOT/$item" "$crate/$item"; done
+sed -E -e "s/^tch = \"[^\"]+\"/tch = \"$KIT_TCH\"/" -e "s/^torch-sys = \"[^\"]+\"/torch-sys = \"$KIT_TCH\"/" \
+  Cargo.toml > "$crate/Cargo.toml.new"
+grep -q "^tch = \"$KIT_TCH\"" "$crate/Cargo.toml.new" && grep -q "^torch-sys = \"$KIT_TCH\"" "$crate/Cargo.toml.new" \
+  || { echo "gpu-kit: Cargo.toml has no plain tch/torch-sys version lines to re-pin" >&2; exit 1; }
+if ! cmp -s "$crate/Cargo.toml.new" "$crate/Cargo.toml" || ! cmp -s Cargo.lock "$crate/Cargo.lock.base"; then
+  mv "$crate/Cargo.toml.new" "$crate/Cargo.toml"
+  cp Cargo.lock "$crate/Cargo.lock"
+  cp Cargo.lock "$crate/Cargo.lock.base"
+else
+  rm "$crate/Cargo.toml.new"
+fi
+say "cargo build --release against torch $KIT_TORCH (tch $KIT_TCH; target: $KIT_HOME/target)"
+(
+  cd "$crate"
+  export LIBTORCH=$site/torch CARGO_TARGET_DIR=$KIT_HOME/target
+  unset LIBTORCH_USE_PYTORCH
+  cargo build --release --quiet --bin visiongate
+)
+
+# 3. The kit.
+rm -rf "$KIT"
+mkdir -p "$KIT/models" "$KIT/photos"
+strip --strip-all -o "$KIT/visiongate" "$KIT_HOME/target/release/visiongate"
+tar -C models --exclude='model.pt' --exclude='model.pt.stamp' --exclude='*.pt.tmp' -c . | tar -C "$KIT/models" -x
+"$py" scripts/export_model.py --repo "$KIT/models" > /dev/null
+rm -f "$KIT"/models/*/*/model.pt.stamp
+cp -r tests/fixtures/photos/. "$KIT/photos/"
+cp scripts/gpu-check.sh "$KIT/gpu-check.sh"
+cat > "$KIT/BUILD" <<EOF
+visiongate $(git describe --always --dirty 2>/dev/null || echo unknown), torch $KIT_TORCH, tch $KIT_TCH, built $(date -u +%Y-%m-%dT%H:%MZ)
+EOF
+size=$(du -sb "$KIT" | cut -f1)
+say "gpu-kit/: $((size / 1024 / 1024)) MiB ($(du -h "$KIT/visiongate" | cut -f1) binary, $(du -h "$KIT/models/classifier/1/model.pt" | cut -f1) model, $(du -sh "$KIT/photos" | cut -f1) photos)"
+((size < LIMIT)) || { echo "gpu-kit: $size bytes, over the 64 MiB a GPU host takes along" >&2; exit 1; }
+
+# 4. Its CPU mode, here.
+if [[ ${1:-} != --no-check ]]; then
+  say "gpu-check.sh --cpu with torch $KIT_TORCH on this machine"
+  PYTHON=$py bash "$KIT/gpu-check.sh" --cpu --out "$VG_ROOT/test-artifacts/gpu-check-cpu"
+fi

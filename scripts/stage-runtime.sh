@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Gathers what the runtime image carries into DEST (the Dockerfile's build stage runs it
+# after setup.sh): the stripped binary, the model repository with its exported model, and
+# the libraries the binary loads from the venv, kept at their absolute paths under
+# DEST/opt so the binary's and libtorch's RUNPATHs still find them.
+#   scripts/stage-runtime.sh DEST
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$VG_ROOT"
+dest=${1:?usage: stage-runtime.sh DEST}
+mkdir -p "$dest"
+
+# Every library the dynamic loader resolves for the binary (libtorch, libtorch_cuda and
+# the CUDA libraries they name), plus what libtorch loads only when it runs on a GPU:
+# cuDNN's engine libraries and NVRTC's builtins (dlopen, so ldd cannot see them). The
+# host's NVIDIA driver (libcuda) is not among them. libtorch_cuda_linalg (linear algebra
+# on the GPU, loaded on first use) and profiler libraries are left out.
+libs=$(ldd "$VG_BIN" | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | xargs realpath | grep -F "$(realpath "$VG_VENV")/" || true)
+[[ -n $libs ]] || { echo "stage-runtime: ldd found no libraries under $VG_VENV" >&2; exit 1; }
+if ldd "$VG_BIN" | grep -q 'not found'; then
+  ldd "$VG_BIN" | grep 'not found' >&2
+  exit 1
+fi
+site=$(dirname "$LIBTORCH")
+extra=$(ls "$site"/nvidia/cudnn/lib/libcudnn_*.so.* "$site"/nvidia/*/lib/libnvrtc-builtins.so.* 2>/dev/null || true)
+# Paths relative to / (coreutils 9.1's `cp --parents` mishandles absolute sources).
+(cd / && printf '%s\n' $libs $extra | sed 's|^/||' | sort -u | xargs cp -a --parents -t "$dest")
+echo "stage-runtime: $(printf '%s\n' $libs $extra | sort -u | wc -l) libraries, $(du -sh "$dest/opt" | cut -f1)"
+
+strip --strip-debug -o "$dest/visiongate" "$VG_BIN"
+echo "stage-runtime: binary $(du -h "$VG_BIN" | cut -f1) -> $(du -h "$dest/visiongate" | cut -f1) stripped"
+rm -rf "$dest/models"
+cp -a models "$dest/models"

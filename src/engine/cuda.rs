@@ -1,0 +1,121 @@
+//! libtorch's CUDA side that tch leaves out, through `cuda_shim.cpp` (built by build.rs):
+//! TF32 switches, a stream of its own per instance thread, and CUDA events, so an instance
+//! times its batches and waits for its own stream instead of synchronizing the device.
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ptr::NonNull;
+use std::time::Duration;
+
+extern "C" {
+    fn vg_last_error() -> *const c_char;
+    fn vg_set_allow_tf32(allow: c_int) -> c_int;
+    fn vg_allow_tf32() -> c_int;
+    fn vg_cuda_use_pool_stream(index: c_int) -> c_int;
+    fn vg_cuda_event_new() -> *mut c_void;
+    fn vg_cuda_event_free(event: *mut c_void);
+    fn vg_cuda_event_record(event: *mut c_void, index: c_int) -> c_int;
+    fn vg_cuda_event_synchronize(event: *mut c_void) -> c_int;
+    fn vg_cuda_event_elapsed_ms(start: *mut c_void, end: *mut c_void, ms: *mut f64) -> c_int;
+}
+
+fn last_error() -> String {
+    // SAFETY: the shim returns a NUL-terminated string owned by this thread, valid until
+    // this thread's next call into the shim; it is copied out at once.
+    unsafe { CStr::from_ptr(vg_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn check(rc: c_int) -> Result<(), String> {
+    if rc < 0 {
+        Err(last_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Whether FP32 convolutions (cuDNN) and matmuls (cuBLAS) may run in TF32 on GPUs that
+/// have it. Process-wide; set once at start-up, before any model runs.
+pub fn set_allow_tf32(allow: bool) -> Result<(), String> {
+    // SAFETY: sets two flags of libtorch's global context; no pointers involved.
+    check(unsafe { vg_set_allow_tf32(c_int::from(allow)) })
+}
+
+/// (cuDNN convolutions, cuBLAS matmuls): whether each may use TF32.
+pub fn allow_tf32() -> (bool, bool) {
+    // SAFETY: reads two flags of libtorch's global context.
+    let bits = unsafe { vg_allow_tf32() };
+    (bits > 0 && bits & 1 != 0, bits > 0 && bits & 2 != 0)
+}
+
+/// Gives the calling thread a stream of its own on CUDA device `index` (from libtorch's
+/// pool): what this thread runs there no longer queues behind other instances' work.
+pub fn use_pool_stream(index: usize) -> Result<(), String> {
+    // SAFETY: changes the calling thread's current-stream setting only.
+    check(unsafe { vg_cuda_use_pool_stream(index as c_int) })
+}
+
+/// A CUDA event with timing enabled.
+pub struct Event(NonNull<c_void>);
+
+// SAFETY: a c10::Event may be used from any thread, one at a time; `Event` is not `Sync`,
+// and its owner (an engine) is used by one instance thread at a time.
+unsafe impl Send for Event {}
+
+impl Event {
+    pub fn new() -> Result<Event, String> {
+        // SAFETY: returns an owned heap object or null.
+        NonNull::new(unsafe { vg_cuda_event_new() })
+            .map(Event)
+            .ok_or_else(last_error)
+    }
+
+    /// Records the event on the calling thread's current stream of device `index`.
+    pub fn record(&mut self, index: usize) -> Result<(), String> {
+        // SAFETY: self.0 is a live event owned by self.
+        check(unsafe { vg_cuda_event_record(self.0.as_ptr(), index as c_int) })
+    }
+
+    /// Waits for the work recorded before this event (its stream only).
+    pub fn synchronize(&self) -> Result<(), String> {
+        // SAFETY: self.0 is a live event owned by self.
+        check(unsafe { vg_cuda_event_synchronize(self.0.as_ptr()) })
+    }
+
+    /// Time from this event to `end`; both recorded, `end` done.
+    pub fn elapsed(&self, end: &Event) -> Result<Duration, String> {
+        let mut ms = 0f64;
+        // SAFETY: both are live events; `ms` is a valid out-pointer.
+        check(unsafe { vg_cuda_event_elapsed_ms(self.0.as_ptr(), end.0.as_ptr(), &mut ms) })?;
+        Ok(Duration::from_secs_f64(ms.max(0.0) / 1e3))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: self.0 came from vg_cuda_event_new and is freed once, here.
+        unsafe { vg_cuda_event_free(self.0.as_ptr()) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tf32_switches_both_libraries_and_reads_back() {
+        // TF32 does nothing on the CPU, where the other tests of this process run.
+        set_allow_tf32(false).unwrap();
+        assert_eq!(allow_tf32(), (false, false));
+        set_allow_tf32(true).unwrap();
+        assert_eq!(allow_tf32(), (true, true));
+    }
+
+    #[test]
+    fn cuda_calls_fail_with_libtorchs_message_without_a_gpu() {
+        if super::super::cuda_device_count() > 0 {
+            return;
+        }
+        let err = use_pool_stream(0).unwrap_err();
+        assert!(!err.is_empty());
+    }
+}

@@ -1,0 +1,111 @@
+// What tch does not expose of libtorch's CUDA side, as a few C functions for
+// src/engine/cuda.rs: TF32 switches, a stream of its own per instance thread, and CUDA
+// events for timings (so an instance waits for its own stream, never for the whole
+// device). Only device-generic c10 headers: no CUDA headers are needed to build it, and
+// on a machine without a GPU nothing here touches CUDA unless asked to.
+#include <ATen/Context.h>
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <cstring>
+#include <exception>
+#include <string>
+
+namespace {
+thread_local std::string last_error;
+
+int fail(const std::exception& e) {
+  last_error = e.what();
+  return -1;
+}
+
+c10::Device cuda(int index) {
+  return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index));
+}
+}  // namespace
+
+extern "C" {
+
+// The message of the calling thread's last failure (valid until its next call here).
+const char* vg_last_error() { return last_error.c_str(); }
+
+// TF32 for cuDNN convolutions and cuBLAS matmuls, both at once.
+int vg_set_allow_tf32(int allow) {
+  try {
+    at::globalContext().setAllowTF32CuDNN(allow != 0);
+    at::globalContext().setAllowTF32CuBLAS(allow != 0);
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+// 1 where cuDNN convolutions may use TF32, 0 where not; bit 1 the same for cuBLAS.
+int vg_allow_tf32() {
+  try {
+    return (at::globalContext().allowTF32CuDNN() ? 1 : 0) |
+           (at::globalContext().allowTF32CuBLAS() ? 2 : 0);
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+// Makes a stream from libtorch's pool the calling thread's current stream on CUDA device
+// `index`, so two instances on one GPU run side by side instead of taking turns on the
+// default stream.
+int vg_cuda_use_pool_stream(int index) {
+  try {
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    impl.exchangeStream(impl.getStreamFromGlobalPool(cuda(index)));
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+// A CUDA event with timing, or null (vg_last_error says why).
+void* vg_cuda_event_new() {
+  try {
+    return new c10::Event(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT);
+  } catch (const std::exception& e) {
+    fail(e);
+    return nullptr;
+  }
+}
+
+void vg_cuda_event_free(void* event) { delete static_cast<c10::Event*>(event); }
+
+// Records the event on the calling thread's current stream of device `index`.
+int vg_cuda_event_record(void* event, int index) {
+  try {
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    static_cast<c10::Event*>(event)->record(impl.getStream(cuda(index)));
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+// Waits until the work recorded before the event is done (that stream only).
+int vg_cuda_event_synchronize(void* event) {
+  try {
+    static_cast<c10::Event*>(event)->synchronize();
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+// Milliseconds from `start` to `end`, both recorded and done.
+int vg_cuda_event_elapsed_ms(void* start, void* end, double* ms) {
+  try {
+    *ms = static_cast<c10::Event*>(start)->elapsedTime(*static_cast<c10::Event*>(end));
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+}  // extern "C"
