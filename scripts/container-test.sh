@@ -38,15 +38,14 @@ fail() { say "FAILED: $*"; exit 1; }
 since() { echo $(($(date +%s) - $1)); }
 
 # --- the builder -------------------------------------------------------------------------
+[[ $(id -u) -eq 0 ]] || fail "run as root: the test uses rootful podman"
 need=()
 for tool in podman runc debootstrap; do command -v "$tool" >/dev/null || need+=("$tool"); done
 if ((${#need[@]})); then
   say "installing ${need[*]} (apt)"
-  sudo_cmd=(); [[ $(id -u) -eq 0 ]] || sudo_cmd=(sudo)
-  "${sudo_cmd[@]}" apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "${need[@]}" >/dev/null
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
-[[ $(id -u) -eq 0 ]] || fail "run as root: the test uses rootful podman"
 
 # crun cannot start containers under this kind of host's cgroup layout: runc. A container
 # may not raise an rlimit above what podman itself holds: the hard limits, and for nproc
@@ -74,6 +73,22 @@ if [[ $(cat "$CT_HOME/venv/.requirements" 2>/dev/null) != "$tools_req" ]]; then
 fi
 COMPOSE=$CT_HOME/venv/bin/docker-compose
 PY=$CT_HOME/venv/bin/python
+
+# What this test starts is removed however it ends (the images and build cache stay).
+SOCK=$CT_HOME/podman.sock
+service_pid=
+cleanup() {
+  set +e
+  if [[ -n $service_pid ]]; then
+    "$COMPOSE" -p "$PROJECT" "${COMPOSE_FILES[@]}" down --remove-orphans --timeout 5 > /dev/null 2>&1
+    kill "$service_pid" 2>/dev/null
+    wait "$service_pid" 2>/dev/null
+  fi
+  podman rm -f "$PROJECT-tritonserver" "$PROJECT-rust" > /dev/null 2>&1
+  rm -rf "$SOCK" "$CT_HOME"/rootfs.*
+}
+trap cleanup EXIT
+trap 'exit 1' INT TERM
 
 # --- base images -------------------------------------------------------------------------
 stand_in_slim() {
@@ -153,20 +168,6 @@ base_image debian:bookworm-slim stand_in_slim
 base_image rust:1-bookworm stand_in_rust
 
 # --- Docker's API, served by podman, for Compose ------------------------------------------
-SOCK=$CT_HOME/podman.sock
-service_pid=
-cleanup() {
-  set +e
-  if [[ -n $service_pid ]]; then
-    "$COMPOSE" -p "$PROJECT" "${COMPOSE_FILES[@]}" down --remove-orphans --timeout 5 > /dev/null 2>&1
-    kill "$service_pid" 2>/dev/null
-    wait "$service_pid" 2>/dev/null
-  fi
-  podman rm -f "$PROJECT-tritonserver" "$PROJECT-rust" > /dev/null 2>&1
-  rm -f "$SOCK"
-}
-trap cleanup EXIT
-trap 'exit 1' INT TERM
 rm -f "$SOCK"
 podman system service --time=0 "unix://$SOCK" > "$ART/podman-service.log" 2>&1 &
 service_pid=$!
@@ -174,6 +175,8 @@ for _ in $(seq 100); do
   curl -fsS --unix-socket "$SOCK" http://d/_ping > /dev/null 2>&1 && break
   sleep 0.1
 done
+curl -fsS --unix-socket "$SOCK" http://d/_ping > /dev/null 2>&1 \
+  || fail "podman system service did not answer (see $ART/podman-service.log)"
 export DOCKER_HOST=unix://$SOCK
 # Compose's classic build through the API (BuildKit would pull its own image).
 export DOCKER_BUILDKIT=0 COMPOSE_BAKE=false
@@ -209,7 +212,7 @@ compose up -d --wait --wait-timeout 300 > "$ART/up.log" 2>&1 &
 up_pid=$!
 ctr=
 while kill -0 "$up_pid" 2>/dev/null; do
-  ctr=${ctr:-$(podman ps -q --filter "label=com.docker.compose.project=$PROJECT" | head -1)}
+  ctr=${ctr:-$(podman ps -q --filter "label=com.docker.compose.project=$PROJECT" 2>/dev/null | head -1 || true)}
   [[ -n $ctr ]] && podman healthcheck run "$ctr" > /dev/null 2>&1 || true
   sleep 2
 done

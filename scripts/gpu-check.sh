@@ -115,7 +115,13 @@ EOF
 read -r http grpc metrics < <("$PY" "$helper" ports)
 url=http://127.0.0.1:$http
 pid=
+sampler=
 stop_server() {
+  if [[ -n $sampler ]]; then
+    kill "$sampler" 2>/dev/null || true
+    wait "$sampler" 2>/dev/null || true
+    sampler=
+  fi
   if [[ -n $pid ]]; then
     kill -TERM "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
@@ -176,11 +182,9 @@ for threads in 4 8 "$all_but_one"; do
   fi
   result=$("$PY" "$helper" bulk "$url" "$KIT/photos" "$images")
   util="GPU utilisation: not sampled (no GPU)"
-  if [[ -n $sampler ]]; then
-    kill "$sampler"; wait "$sampler" 2>/dev/null || true
-    util=$("$PY" "$helper" utilisation "$out/nvidia-smi-$threads.csv")
-  fi
-  stop_server
+  sampled=$sampler
+  stop_server  # the sampler too
+  [[ -n $sampled ]] && util=$("$PY" "$helper" utilisation "$out/nvidia-smi-$threads.csv")
   say "  decode threads $threads: $result; $util"
 done
 say ""

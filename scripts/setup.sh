@@ -46,7 +46,7 @@ if wants packages; then
     DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq "${need[@]}" >/dev/null
   fi
   # playwright-core (npm) for tests/browser, as locked; skipped when already installed.
-  lock_sum=$(sha256sum tests/browser/package-lock.json 2>/dev/null | cut -d' ' -f1)
+  ((test_tools)) && lock_sum=$(sha256sum tests/browser/package-lock.json | cut -d' ' -f1)
   if ((test_tools)) && [[ $(cat tests/browser/node_modules/.lock.sha256 2>/dev/null) != "$lock_sum" ]]; then
     say "installing playwright-core (npm) for the browser test"
     (cd tests/browser && npm ci --no-audit --no-fund --silent)

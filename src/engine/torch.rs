@@ -92,6 +92,17 @@ impl TorchEngine {
         })
     }
 
+    /// After a failed batch on a GPU: waits for what it queued on this instance's stream
+    /// (the copy out of the staging buffer among it) before the next batch refills the
+    /// buffer. Errors here are the failed batch's own and already reported.
+    fn drain(&mut self) {
+        if let (Some(events), Device::Cuda(index)) = (self.events.as_mut(), self.device) {
+            if events[3].record(index).is_ok() {
+                let _ = events[3].synchronize();
+            }
+        }
+    }
+
     /// `data` in the staging buffer, as a `[len]` u8 tensor on the host.
     fn stage(&mut self, data: &[u8]) -> Result<Tensor, tch::TchError> {
         let len = data.len() as i64;
@@ -109,7 +120,7 @@ impl TorchEngine {
         let staging = self.staging.as_ref().expect("staging allocated just above");
         // SAFETY: `staging` is a contiguous u8 tensor of at least `len` bytes that this
         // engine owns; no copy out of it is in flight (the previous batch's copy to the
-        // device finished before its outputs reached the host).
+        // device finished before its outputs reached the host, or `drain` waited for it).
         unsafe {
             std::ptr::copy_nonoverlapping(data.as_ptr(), staging.data_ptr() as *mut u8, data.len());
         }
@@ -235,7 +246,11 @@ impl Engine for TorchEngine {
         input: BatchInput<'_>,
         want: OutputRequest,
     ) -> Result<EngineOutput, EngineError> {
-        self.run_inner(input, want).map_err(exec)
+        let result = self.run_inner(input, want);
+        if result.is_err() {
+            self.drain();
+        }
+        result.map_err(exec)
     }
 
     fn device_name(&self) -> String {
