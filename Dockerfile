@@ -11,10 +11,11 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv cmake nasm binutils \
     && rm -rf /var/lib/apt/lists/*
 ENV VISIONGATE_HOME=/opt/visiongate \
-    CARGO_TARGET_DIR=/cache/target
+    CARGO_TARGET_DIR=/cache/target \
+    PIP_CACHE_DIR=/cache/pip
 WORKDIR /src
 COPY scripts/env.sh scripts/setup.sh scripts/requirements.txt scripts/
-RUN --mount=type=cache,target=/root/.cache/pip \
+RUN --mount=type=cache,target=/cache/pip \
     bash scripts/setup.sh --no-test-tools venv
 COPY scripts/export_model.py scripts/
 COPY models models
