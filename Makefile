@@ -12,10 +12,11 @@ setup:
 run: setup
 	@$(ENV) && exec "$$VISIONGATE_BIN" --model-repository models $(ARGS)
 
-## Every test: Rust unit + integration tests (real libtorch, real photos), the Python
+## Every test: no two modules using each other (scripts/module-deps.sh), Rust unit + integration tests (real libtorch, real photos), the Python
 ## suite (fidelity against the Python reference, real HTTP clients) and the container test
 ## (the image and `docker compose up`, see container-test).
 test: setup
+	@bash scripts/module-deps.sh > /dev/null
 	@$(ENV) && cargo test --release
 	@$(ENV) && "$$VISIONGATE_PYTHON" -m pytest -q tests/python
 	@bash scripts/container-test.sh

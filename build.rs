@@ -36,7 +36,8 @@ fn compile_protos() {
         );
     }
     tonic_prost_build::configure()
-        .build_client(false)
+        // The client too: the tests call the server over gRPC with it.
+        .build_client(true)
         .out_dir(&grpc_out)
         .compile_with_config(config, &["proto/grpc_service.proto"], &["proto"])
         .expect("proto/grpc_service.proto compiles");

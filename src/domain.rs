@@ -59,6 +59,17 @@ pub struct ClassScore {
     pub class_id: u32,
     /// Softmax probability.
     pub score: f32,
+    /// The model's output for the class (its logit), as Triton's classification reports it.
+    pub value: f32,
+}
+
+/// Indices of the `k` largest values, largest first (ties: lower index first). The one
+/// top-k on the host; the engine ranks on its device.
+pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
 }
 
 /// What happens to a request still queued when its timeout passes (Triton's

@@ -1,11 +1,13 @@
 //! One error taxonomy for the whole gateway, mapped once per transport (HTTP, gRPC).
+//!
+//! Every module's error type says its kind (`HasKind`) and becomes a `GatewayError` through
+//! the one blanket `From` below, so handlers just use `?`. This module imports no other
+//! module of the crate: the dependency points from the modules to it.
+use std::fmt;
+
 use actix_web::http::{header, StatusCode};
 use actix_web::{HttpResponse, ResponseError};
 use serde::Serialize;
-
-use crate::preprocess::PreprocessError;
-use crate::repository::RepositoryError;
-use crate::scheduler::SchedulerError;
 
 /// What kind of failure, independent of the transport.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,11 +19,35 @@ pub enum ErrorKind {
     Forbidden,
     NotReady,
     Overloaded,
+    /// The client went away before its answer (nobody reads this answer; it is counted).
+    Cancelled,
     DeadlineExceeded,
     Internal,
 }
 
+/// An error that knows its kind. Implemented by each module's error type.
+pub trait HasKind {
+    fn kind(&self) -> ErrorKind;
+}
+
+/// nginx's "client closed request": the status a cancelled request is logged with.
+const CLIENT_CLOSED_REQUEST: u16 = 499;
+
 impl ErrorKind {
+    /// Every kind, for tables and tests.
+    pub const ALL: [ErrorKind; 10] = [
+        ErrorKind::InvalidInput,
+        ErrorKind::UnsupportedMediaType,
+        ErrorKind::PayloadTooLarge,
+        ErrorKind::NotFound,
+        ErrorKind::Forbidden,
+        ErrorKind::NotReady,
+        ErrorKind::Overloaded,
+        ErrorKind::Cancelled,
+        ErrorKind::DeadlineExceeded,
+        ErrorKind::Internal,
+    ];
+
     /// The stable snake_case code in every error body.
     pub fn code(self) -> &'static str {
         match self {
@@ -32,6 +58,7 @@ impl ErrorKind {
             ErrorKind::Forbidden => "forbidden",
             ErrorKind::NotReady => "not_ready",
             ErrorKind::Overloaded => "overloaded",
+            ErrorKind::Cancelled => "cancelled",
             ErrorKind::DeadlineExceeded => "deadline_exceeded",
             ErrorKind::Internal => "internal",
         }
@@ -46,6 +73,7 @@ impl ErrorKind {
             ErrorKind::NotFound => tonic::Code::NotFound,
             ErrorKind::Forbidden => tonic::Code::PermissionDenied,
             ErrorKind::NotReady | ErrorKind::Overloaded => tonic::Code::Unavailable,
+            ErrorKind::Cancelled => tonic::Code::Cancelled,
             ErrorKind::DeadlineExceeded => tonic::Code::DeadlineExceeded,
             ErrorKind::Internal => tonic::Code::Internal,
         }
@@ -59,6 +87,8 @@ impl ErrorKind {
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::Forbidden => StatusCode::FORBIDDEN,
             ErrorKind::NotReady | ErrorKind::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::Cancelled => StatusCode::from_u16(CLIENT_CLOSED_REQUEST)
+                .expect("499 is within the valid status range"),
             ErrorKind::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -72,49 +102,80 @@ pub struct ErrorBody {
     pub error: String,
     /// Stable snake_case kind: `invalid_input`, `unsupported_media_type`,
     /// `payload_too_large`, `not_found`, `forbidden`, `not_ready`, `overloaded`,
-    /// `deadline_exceeded`, `internal`.
+    /// `cancelled`, `deadline_exceeded`, `internal`.
     pub code: String,
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum GatewayError {
-    #[error("{message}")]
-    Request { kind: ErrorKind, message: String },
-    #[error(transparent)]
-    Scheduler(#[from] SchedulerError),
-    #[error(transparent)]
-    Repository(#[from] RepositoryError),
-    #[error(transparent)]
-    Preprocess(#[from] PreprocessError),
+/// A request's error: its kind, what to tell the client, and (for the log) the error it
+/// came from.
+pub struct GatewayError {
+    kind: ErrorKind,
+    message: String,
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+impl<E: HasKind + std::error::Error + Send + Sync + 'static> From<E> for GatewayError {
+    fn from(e: E) -> Self {
+        GatewayError {
+            kind: e.kind(),
+            message: e.to_string(),
+            source: Some(Box::new(e)),
+        }
+    }
+}
+
+impl fmt::Display for GatewayError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl fmt::Debug for GatewayError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.source {
+            Some(source) => write!(f, "{:?}: {source:?}", self.kind),
+            None => write!(f, "{:?}: {}", self.kind, self.message),
+        }
+    }
 }
 
 impl GatewayError {
+    /// An error found where it is raised (request validation at a transport's edge).
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        GatewayError::Request {
+        GatewayError {
             kind,
             message: message.into(),
+            source: None,
         }
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::InvalidInput, message)
     }
 
     pub fn kind(&self) -> ErrorKind {
-        match self {
-            GatewayError::Request { kind, .. } => *kind,
-            GatewayError::Scheduler(e) => e.kind(),
-            GatewayError::Repository(_) => ErrorKind::Internal,
-            GatewayError::Preprocess(_) => ErrorKind::InvalidInput,
-        }
+        self.kind
     }
 
     pub fn body(&self) -> ErrorBody {
-        let kind = self.kind();
-        let error = if kind == ErrorKind::Internal {
+        let error = if self.kind == ErrorKind::Internal {
             "internal error; see the server log".to_string()
         } else {
-            self.to_string()
+            self.message.clone()
         };
         ErrorBody {
             error,
-            code: kind.code().to_string(),
+            code: self.kind.code().to_string(),
+        }
+    }
+
+    /// Logs the error once, where a transport maps it: internal errors with their chain,
+    /// cancelled requests only at debug (their client left; nothing went wrong here).
+    fn log(&self) {
+        match self.kind {
+            ErrorKind::Internal => tracing::error!(error = ?self, "internal error"),
+            ErrorKind::Cancelled => tracing::debug!("{}", self.message),
+            _ => {}
         }
     }
 }
@@ -124,16 +185,13 @@ const RETRY_AFTER_SECS: &str = "1";
 
 impl ResponseError for GatewayError {
     fn status_code(&self) -> StatusCode {
-        self.kind().http_status()
+        self.kind.http_status()
     }
 
     fn error_response(&self) -> HttpResponse {
-        let kind = self.kind();
-        if kind == ErrorKind::Internal {
-            tracing::error!(error = ?self, "internal error");
-        }
-        let mut resp = HttpResponse::build(kind.http_status());
-        if kind == ErrorKind::Overloaded {
+        self.log();
+        let mut resp = HttpResponse::build(self.kind.http_status());
+        if self.kind == ErrorKind::Overloaded {
             resp.insert_header((header::RETRY_AFTER, RETRY_AFTER_SECS));
         }
         resp.json(self.body())
@@ -142,40 +200,14 @@ impl ResponseError for GatewayError {
 
 impl From<GatewayError> for tonic::Status {
     fn from(e: GatewayError) -> tonic::Status {
-        let kind = e.kind();
-        if kind == ErrorKind::Internal {
-            tracing::error!(error = ?e, "internal error");
-        }
-        tonic::Status::new(kind.grpc_code(), e.body().error)
+        e.log();
+        tonic::Status::new(e.kind.grpc_code(), e.body().error)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn every_kind_maps_to_its_status_and_code() {
-        let table = [
-            (ErrorKind::InvalidInput, 400, "invalid_input"),
-            (
-                ErrorKind::UnsupportedMediaType,
-                415,
-                "unsupported_media_type",
-            ),
-            (ErrorKind::PayloadTooLarge, 413, "payload_too_large"),
-            (ErrorKind::NotFound, 404, "not_found"),
-            (ErrorKind::Forbidden, 403, "forbidden"),
-            (ErrorKind::NotReady, 503, "not_ready"),
-            (ErrorKind::Overloaded, 503, "overloaded"),
-            (ErrorKind::DeadlineExceeded, 504, "deadline_exceeded"),
-            (ErrorKind::Internal, 500, "internal"),
-        ];
-        for (kind, status, code) in table {
-            assert_eq!(kind.http_status().as_u16(), status, "{kind:?}");
-            assert_eq!(kind.code(), code);
-        }
-    }
 
     #[test]
     fn overloaded_answers_retry_after_and_internal_hides_details() {
@@ -186,5 +218,23 @@ mod tests {
 
         let internal = GatewayError::new(ErrorKind::Internal, "secret stack trace");
         assert!(!internal.body().error.contains("secret"));
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("bad row 3")]
+    struct RowError;
+
+    impl HasKind for RowError {
+        fn kind(&self) -> ErrorKind {
+            ErrorKind::InvalidInput
+        }
+    }
+
+    #[test]
+    fn a_module_error_keeps_its_kind_and_message() {
+        let e: GatewayError = RowError.into();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput);
+        assert_eq!(e.body().error, "bad row 3");
+        assert_eq!(e.body().code, "invalid_input");
     }
 }

@@ -8,6 +8,7 @@ pub mod error;
 pub mod grpc;
 pub mod http;
 pub mod kserve;
+pub mod pipeline;
 pub mod preprocess;
 pub mod repository;
 pub mod scheduler;
@@ -32,10 +33,12 @@ use state::{AppState, BuildOptions, UploadLimits};
 pub enum EngineChoice {
     /// libtorch, loading each model's TorchScript file.
     Torch,
-    /// The deterministic fake (tests): `num_classes` classes, `latency` per batch.
+    /// The deterministic fake (tests): `num_classes` classes, `latency` per batch, and a
+    /// failed batch whenever a row's first byte is `fail_on_first_byte`.
     Fake {
         num_classes: usize,
         latency: Duration,
+        fail_on_first_byte: Option<u8>,
     },
 }
 
@@ -88,12 +91,13 @@ impl Gateway {
             EngineChoice::Fake {
                 num_classes,
                 latency,
+                fail_on_first_byte,
             } => {
                 let factory: EngineFactory = Arc::new(move |_, _| {
                     Ok(Box::new(FakeEngine {
                         num_classes,
                         latency,
-                        fail_on_first_byte: None,
+                        fail_on_first_byte,
                     }) as Box<dyn Engine>)
                 });
                 (factory, 0)

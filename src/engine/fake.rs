@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use super::{BatchInput, Engine, EngineError, EngineOutput, OutputRequest};
-use crate::domain::ClassScore;
+use crate::domain::{top_k, ClassScore};
 
 pub struct FakeEngine {
     pub num_classes: usize,
@@ -65,21 +65,14 @@ impl Engine for FakeEngine {
                 .iter()
                 .map(|&f| {
                     let s = scores(f);
-                    let mut ranked: Vec<ClassScore> = s
-                        .iter()
-                        .enumerate()
-                        .map(|(c, &score)| ClassScore {
+                    top_k(&s, want.top_k)
+                        .into_iter()
+                        .map(|c| ClassScore {
                             class_id: c as u32,
-                            score,
+                            score: s[c],
+                            value: s[c],
                         })
-                        .collect();
-                    ranked.sort_by(|a, b| {
-                        b.score
-                            .total_cmp(&a.score)
-                            .then(a.class_id.cmp(&b.class_id))
-                    });
-                    ranked.truncate(want.top_k);
-                    ranked
+                        .collect()
                 })
                 .collect();
         }

@@ -207,21 +207,27 @@ impl TorchEngine {
             ..Default::default()
         };
         if want.top_k > 0 {
+            // Ranked on the logits (the order softmax keeps); each class's probability is
+            // gathered from the softmax beside its logit.
             let k = want.top_k.min(num_classes) as i64;
-            let probs = logits.f_softmax(-1, Kind::Float)?;
-            let (values, indices) = probs.f_topk(k, -1, true, true)?;
-            let values = Vec::<f32>::try_from(&values.f_to_device(Device::Cpu)?.f_flatten(0, -1)?)?;
-            let indices =
-                Vec::<i64>::try_from(&indices.f_to_device(Device::Cpu)?.f_flatten(0, -1)?)?;
-            out.top_k = values
-                .chunks(k as usize)
-                .zip(indices.chunks(k as usize))
-                .map(|(v, i)| {
-                    v.iter()
-                        .zip(i)
-                        .map(|(&score, &class)| ClassScore {
-                            class_id: class as u32,
-                            score,
+            let (values, indices) = logits.f_topk(k, -1, true, true)?;
+            let probs = logits
+                .f_softmax(-1, Kind::Float)?
+                .f_gather(-1, &indices, false)?;
+            let host = |t: &Tensor| -> Result<Tensor, tch::TchError> {
+                t.f_to_device(Device::Cpu)?.f_flatten(0, -1)
+            };
+            let values = Vec::<f32>::try_from(&host(&values)?.f_to_kind(Kind::Float)?)?;
+            let probs = Vec::<f32>::try_from(&host(&probs)?)?;
+            let indices = Vec::<i64>::try_from(&host(&indices)?)?;
+            let k = k as usize;
+            out.top_k = (0..rows)
+                .map(|r| {
+                    (r * k..(r + 1) * k)
+                        .map(|i| ClassScore {
+                            class_id: indices[i] as u32,
+                            score: probs[i],
+                            value: values[i],
                         })
                         .collect()
                 })

@@ -123,10 +123,10 @@ impl GrpcInferenceService for InferenceService {
     ) -> Result<Response<pb::ModelInferResponse>, Status> {
         let r = request.into_inner();
         // The model first: an unknown model is NOT_FOUND whatever its inputs look like.
-        kserve::resolve(&self.state, &r.model_name, version(&r.model_version))?;
+        let served = kserve::resolve(&self.state, &r.model_name, version(&r.model_version))?;
         let request = convert::infer_request(r)?;
         // A client that cancels drops this future, and with it the request's queued rows.
-        let response = kserve::infer(&self.state, request).await?;
+        let response = kserve::infer(&self.state, &served, request).await?;
         Ok(Response::new(convert::infer_response(response)))
     }
 
@@ -146,9 +146,9 @@ impl GrpcInferenceService for InferenceService {
                 let r = r?;
                 let id = r.id.clone();
                 let answer = async {
-                    kserve::resolve(&state, &r.model_name, version(&r.model_version))?;
+                    let served = kserve::resolve(&state, &r.model_name, version(&r.model_version))?;
                     let request = convert::infer_request(r)?;
-                    Ok::<_, Status>(kserve::infer(&state, request).await?)
+                    Ok::<_, Status>(kserve::infer(&state, &served, request).await?)
                 }
                 .await;
                 Ok(match answer {

@@ -14,6 +14,8 @@ use std::time::Duration;
 use actix_web::dev::Extensions;
 use actix_web::HttpRequest;
 
+use crate::error::{ErrorKind, GatewayError};
+
 /// How often a waiting handler looks at its socket: one non-blocking syscall each.
 const POLL: Duration = Duration::from_millis(50);
 
@@ -51,4 +53,10 @@ pub async fn gone(req: &HttpRequest) {
             Err(_) => return,
         }
     }
+}
+
+/// The answer to a request whose client left (nobody reads it; the request was counted as
+/// cancelled where it was dropped).
+pub fn left() -> GatewayError {
+    GatewayError::new(ErrorKind::Cancelled, "the client closed the connection")
 }

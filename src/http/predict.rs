@@ -9,17 +9,19 @@ use actix_multipart::Multipart;
 use actix_web::http::header;
 use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::BytesMut;
+use futures_util::future::Either;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use super::client;
 use crate::domain::RequestOptions;
 use crate::engine::OutputRequest;
 use crate::error::{ErrorBody, ErrorKind, GatewayError};
-use crate::preprocess::{PreprocessError, Row};
-use crate::scheduler::{Admission, InferJob, PendingRows, RowFormat};
-use crate::state::{AppState, ImagePipeline};
+use crate::pipeline::Encoded;
+use crate::preprocess::PreprocessError;
+use crate::scheduler::RowIn;
+use crate::state::AppState;
 
 const DEFAULT_MODEL: &str = "ensemble_model";
 const DEFAULT_TOP_K: usize = 5;
@@ -103,16 +105,6 @@ pub struct PredictResponse {
     pub timing: Timing,
 }
 
-enum Upload {
-    Decoding(oneshot::Receiver<Result<Row, PreprocessError>>),
-    Failed(PreprocessError),
-}
-
-struct UploadedFile {
-    filename: String,
-    upload: Upload,
-}
-
 fn invalid(message: impl Into<String>) -> GatewayError {
     GatewayError::new(ErrorKind::InvalidInput, message)
 }
@@ -153,10 +145,7 @@ pub async fn predict(
     // the request counts as CANCELED (see `Admission`).
     tokio::select! {
         answer = classify(req.clone(), payload, query, state) => answer,
-        () = client::gone(&req) => {
-            tracing::debug!("client closed the connection; request dropped");
-            Err(GatewayError::new(ErrorKind::NotReady, "the client closed the connection"))
-        }
+        () = client::gone(&req) => Err(client::left()),
     }
 }
 
@@ -191,65 +180,46 @@ async fn classify(
             pipeline.num_classes
         )));
     }
-
-    // One queue place for the whole request, taken before the upload is read: a full
-    // queue answers 503 at once. Rows then enter the queue in chunks as their decode
-    // finishes, so inference of the first images overlaps decoding and uploading the rest.
-    let mut admission = pipeline.classifier.admit(RequestOptions {
+    let options = RequestOptions {
         priority: query.priority.unwrap_or(0),
         timeout: query.timeout_us.map(Duration::from_micros),
-    })?;
+    };
     let want = OutputRequest {
         top_k,
         logits: false,
     };
-    // Between the reader and the feeder: files in upload order, each holding its decode.
-    // Capacity: every file of a request fits (the decode pool bounds the work in flight).
+    // The reader streams the body into this channel, one entry per file part (or the
+    // upload's error); every file of a request fits, the body limit bounds their bytes.
     let (files_tx, files_rx) = mpsc::channel(state.limits.max_files.max(1));
-    // A request-level error of either side (413 at the first extra part, say) answers
-    // at once; chunks already queued are dropped with their receivers.
-    let fed = futures_util::future::try_join(
-        read_upload(&req, payload, &state, &pipeline, files_tx),
-        feed(files_rx, &admission, &pipeline, want),
-    )
-    .await;
-    let (outcomes, chunks) = match fed {
-        Ok(((), fed)) => fed,
-        Err(e) => {
-            admission.abandon();
-            return Err(e);
-        }
+    let reader = std::pin::pin!(read_upload(&req, payload, &state, files_tx));
+    // The queue place is taken before the upload is read (a full queue answers 503 at
+    // once); rows then enter the queue as their decode finishes.
+    let run = std::pin::pin!(pipeline.classify(
+        &state.pool,
+        options,
+        want,
+        tokio_stream::wrappers::ReceiverStream::new(files_rx),
+        |_, e| RowIn::Failed(e),
+    ));
+    let (outputs, filenames) = match futures_util::future::select(run, reader).await {
+        // The rows ended, so the reader has sent its last file: its names are ready.
+        Either::Left((Ok(outputs), reader)) => (outputs, reader.await),
+        // Refused or failed: the rest of the upload is not read.
+        Either::Left((Err(e), _)) => return Err(e.into()),
+        Either::Right((filenames, run)) => (run.await?, filenames),
     };
-    admission.all_submitted();
-    if outcomes.is_empty() {
-        admission.abandon();
-        return Err(invalid(
-            "no files: send one or more multipart parts named 'files' (or 'file')",
-        ));
-    }
-    let mut outputs = Vec::new();
-    for chunk in chunks {
-        match chunk.wait(pipeline.name.as_str()).await {
-            Ok(rows) => outputs.extend(rows),
-            Err(e) => {
-                admission.finish(&Err::<(), _>(e.clone()));
-                return Err(e.into());
-            }
-        }
-    }
-    admission.finish(&Ok(()));
-
     let label = |class: u32| {
         pipeline
             .labels
             .as_ref()
             .and_then(|l| l.get(class as usize).cloned())
     };
-    let results: Vec<FileResult> = outcomes
+    let results: Vec<FileResult> = filenames
         .into_iter()
-        .map(|(filename, outcome)| match outcome {
-            Ok(i) => {
-                let top: Vec<TopK> = outputs[i]
+        .zip(outputs)
+        .map(|(filename, output)| match output {
+            Ok(output) => {
+                let top: Vec<TopK> = output
                     .top_k
                     .iter()
                     .map(|c| TopK {
@@ -291,22 +261,43 @@ async fn classify(
     }))
 }
 
-/// Streams the multipart body; every complete file part is queued for decoding at once.
+/// Streams the multipart body into `files`: each complete file part (or why it is unusable)
+/// as soon as it is read, or the upload's error, which ends the request. Returns the files'
+/// names in upload order.
 async fn read_upload(
     req: &HttpRequest,
     payload: web::Payload,
     state: &AppState,
-    pipeline: &ImagePipeline,
-    files: mpsc::Sender<UploadedFile>,
+    files: mpsc::Sender<Result<Encoded, GatewayError>>,
+) -> Vec<String> {
+    let mut names = Vec::new();
+    let result = read_parts(req, payload, state, &files, &mut names).await;
+    let end = match result {
+        Ok(()) if names.is_empty() => Err(invalid(
+            "no files: send one or more multipart parts named 'files' (or 'file')",
+        )),
+        other => other,
+    };
+    if let Err(e) = end {
+        let _ = files.send(Err(e)).await;
+    }
+    names
+}
+
+async fn read_parts(
+    req: &HttpRequest,
+    payload: web::Payload,
+    state: &AppState,
+    files: &mpsc::Sender<Result<Encoded, GatewayError>>,
+    names: &mut Vec<String>,
 ) -> Result<(), GatewayError> {
     let limits = &state.limits;
     let mut multipart = Multipart::new(req.headers(), payload);
-    let mut count = 0usize;
     let mut body_bytes: u64 = 0;
     while let Some(field) = multipart.next().await {
         let mut field = field.map_err(multipart_error)?;
         let is_file = field.name().is_some_and(|n| FILE_FIELDS.contains(&n));
-        if is_file && count == limits.max_files {
+        if is_file && names.len() == limits.max_files {
             return Err(too_large(format!(
                 "too many files: at most {} per request",
                 limits.max_files
@@ -316,7 +307,7 @@ async fn read_upload(
             .content_disposition()
             .and_then(|cd| cd.get_filename())
             .map(str::to_string)
-            .unwrap_or_else(|| format!("file{count}"));
+            .unwrap_or_else(|| format!("file{}", names.len()));
         let mut data = BytesMut::new();
         let mut size: u64 = 0;
         while let Some(chunk) = field.next().await {
@@ -337,81 +328,20 @@ async fn read_upload(
         if !is_file {
             continue; // other form fields are ignored, as FastAPI does
         }
-        let upload = if size > limits.max_file_bytes {
-            Upload::Failed(PreprocessError::FileTooLarge {
+        let image = if size > limits.max_file_bytes {
+            Encoded::Failed(PreprocessError::FileTooLarge {
                 size,
                 limit: limits.max_file_bytes,
             })
         } else if data.is_empty() {
-            Upload::Failed(PreprocessError::Empty)
+            Encoded::Failed(PreprocessError::Empty)
         } else {
-            Upload::Decoding(
-                state
-                    .pool
-                    .submit(data.freeze(), pipeline.preprocess.clone())
-                    .await,
-            )
+            Encoded::Image(data.freeze())
         };
-        count += 1;
-        if files.send(UploadedFile { filename, upload }).await.is_err() {
-            break; // the feeder stopped: its error answers the request
+        names.push(filename);
+        if files.send(Ok(image)).await.is_err() {
+            break; // the request ended: its error answers it
         }
     }
     Ok(())
-}
-
-/// Rows submitted per job while the upload streams in: small enough that the first
-/// images start early, large enough that the per-job cost is nothing. The batcher still
-/// merges chunks into each instance's own batch size.
-const CHUNK_ROWS: usize = 8;
-
-type Outcomes = Vec<(String, Result<usize, PreprocessError>)>;
-
-/// Takes files in upload order, waits for each decode and submits the decoded rows in
-/// chunks of `CHUNK_ROWS`. Returns each file's outcome (its row index or its error) and
-/// the pending outputs of every chunk, in order.
-async fn feed(
-    mut files: mpsc::Receiver<UploadedFile>,
-    admission: &Admission,
-    pipeline: &ImagePipeline,
-    want: OutputRequest,
-) -> Result<(Outcomes, Vec<PendingRows>), GatewayError> {
-    let mut outcomes = Vec::new();
-    let mut chunks = Vec::new();
-    let mut rows: Vec<Row> = Vec::with_capacity(CHUNK_ROWS);
-    let mut next_row = 0;
-    let submit = |rows: Vec<Row>| {
-        admission.submit(InferJob {
-            rows,
-            format: RowFormat::Image(pipeline.normalize),
-            want,
-        })
-    };
-    while let Some(file) = files.recv().await {
-        let outcome = match file.upload {
-            Upload::Failed(e) => Err(e),
-            Upload::Decoding(rx) => match rx.await {
-                Ok(Ok(row)) => {
-                    rows.push(row);
-                    next_row += 1;
-                    Ok(next_row - 1)
-                }
-                Ok(Err(e)) => Err(e),
-                Err(_) => {
-                    return Err(GatewayError::new(
-                        ErrorKind::NotReady,
-                        "the decode pool is shutting down",
-                    ))
-                }
-            },
-        };
-        outcomes.push((file.filename, outcome));
-        if rows.len() == CHUNK_ROWS {
-            chunks.push(submit(std::mem::take(&mut rows)).await?);
-        }
-    }
-    if !rows.is_empty() {
-        chunks.push(submit(rows).await?);
-    }
-    Ok((outcomes, chunks))
 }

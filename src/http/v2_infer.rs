@@ -19,7 +19,7 @@ use crate::domain::RequestOptions;
 use crate::error::{ErrorBody, ErrorKind, GatewayError};
 use crate::kserve::{self, DataType, InferRequest, InputTensor, OutputTensor, RequestedOutput};
 use crate::repository::ModelKind;
-use crate::state::AppState;
+use crate::state::{AppState, ServedModel};
 
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
 
@@ -133,8 +133,8 @@ async fn run(
     payload: web::Payload,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
-    // Resolve the model first: an unknown model is 404 whatever the body holds.
-    kserve::resolve(&state, &model, version.as_deref())?;
+    // Resolved once, first: an unknown model is 404 whatever the body holds.
+    let served = kserve::resolve(&state, &model, version.as_deref())?;
     let body = read_body(payload, state.limits.max_body_bytes).await?;
     let header_len = match req.headers().get(HEADER_LENGTH) {
         None => None,
@@ -146,15 +146,13 @@ async fn run(
         ),
     };
     let (request, binary_outputs) = match header_len {
-        Some(0) => (raw_request(&state, &model, version, body)?, false),
+        Some(0) => (raw_request(&served, &model, version, body)?, false),
         _ => parse_request(model, version, body, header_len)?,
     };
     // A client that leaves drops its request (its queued rows never run).
     let response = tokio::select! {
-        r = kserve::infer(&state, request.request) => r?,
-        () = client::gone(&req) => {
-            return Err(GatewayError::new(ErrorKind::NotReady, "the client closed the connection"));
-        }
+        r = kserve::infer(&state, &served, request.request) => r?,
+        () = client::gone(&req) => return Err(client::left()),
     };
     Ok(write_response(response, &request.binary, binary_outputs))
 }
@@ -320,12 +318,11 @@ fn request_options(params: &Map<String, Value>) -> Result<RequestOptions, Gatewa
 /// The whole body is the model's single input: one encoded image (BYTES `[1]`) for the
 /// image models, `[N, 3, H, W]` FP32 rows for a classifier.
 fn raw_request(
-    state: &AppState,
+    served: &ServedModel,
     model: &str,
     version: Option<String>,
     body: Bytes,
 ) -> Result<Parsed, GatewayError> {
-    let served = kserve::resolve(state, model, version.as_deref())?;
     let (name, datatype, shape, data) = match &served.repository_model().kind {
         ModelKind::Classifier(spec) => {
             let row = 3 * spec.height * spec.width * 4;

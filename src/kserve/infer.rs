@@ -7,21 +7,22 @@
 //! The protocol has no per-row errors: a row that cannot be decoded fails the request with
 //! `InvalidInput` naming the row. Batches are not limited to `max_batch_size`: the
 //! scheduler cuts a large request into batches that run on every instance.
-use std::sync::Arc;
+use std::convert::Infallible;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
 use ndarray::Axis;
 
 use super::tensor::{encode_bytes_elements, split_bytes_elements};
-use super::{resolve, DataType, InputTensor};
+use super::{DataType, InputTensor};
 use crate::domain::{Normalize, RequestOptions};
 use crate::engine::OutputRequest;
-use crate::error::{ErrorKind, GatewayError};
+use crate::error::{ErrorKind, GatewayError, HasKind};
+use crate::pipeline::{self, Encoded};
 use crate::preprocess::{PreprocessError, PreprocessSettings, Row};
 use crate::repository::{ModelKind, RepositoryModel};
-use crate::scheduler::{InferJob, JobResult, ModelHandle, RowFormat, RowOutput};
-use crate::state::{AppState, ServedModel};
+use crate::scheduler::{RequestSpec, RowFormat, RowIn, RowOutput};
+use crate::state::{AppState, LookupError, ServedModel};
 
 /// One requested output; `classification: Some(k)` asks for the top k classes as BYTES
 /// `"score:index:label"` instead of the tensor (Triton's classification extension).
@@ -60,48 +61,81 @@ pub struct InferResponse {
 }
 
 fn invalid(message: String) -> GatewayError {
-    GatewayError::new(ErrorKind::InvalidInput, message)
+    GatewayError::invalid(message)
 }
 
-/// Rows decoded per job while the rest still decode (as `/predict` streams its upload).
-const CHUNK_ROWS: usize = 8;
+/// An image row that cannot be used: the protocol has no per-row errors, so it fails the
+/// request, naming the row.
+#[derive(Debug, thiserror::Error)]
+#[error("input '{input}' of model '{model}', row {row}: {error}")]
+struct BadRow {
+    input: String,
+    model: String,
+    row: usize,
+    error: PreprocessError,
+}
 
-pub async fn infer(state: &AppState, req: InferRequest) -> Result<InferResponse, GatewayError> {
-    // The model first: an unknown model is NOT_FOUND whatever its inputs look like.
-    let served = resolve(state, &req.model, req.version.as_deref())?;
+impl BadRow {
+    fn new(input: &str, model: &str, row: usize, error: PreprocessError) -> Self {
+        BadRow {
+            input: input.to_string(),
+            model: model.to_string(),
+            row,
+            error,
+        }
+    }
+}
+
+impl HasKind for BadRow {
+    fn kind(&self) -> ErrorKind {
+        ErrorKind::InvalidInput
+    }
+}
+
+/// Runs `req` on `served` (the model the transport resolved from the request's name and
+/// version).
+pub async fn infer(
+    state: &AppState,
+    served: &ServedModel,
+    req: InferRequest,
+) -> Result<InferResponse, GatewayError> {
     let model = served.repository_model();
     if !served.is_ready() {
-        return Err(GatewayError::new(
-            ErrorKind::NotReady,
-            format!("model '{}' is not ready", req.model),
-        ));
+        return Err(LookupError::NotReady {
+            name: req.model.clone(),
+        }
+        .into());
     }
     let (input_name, output_name) = io_names(model);
     let input = single_input(&req, model, input_name)?;
     let wanted = requested_outputs(&req, model, output_name)?;
-    let outputs = match &served {
+    let want = output_request(&wanted);
+    let outputs = match served {
         ServedModel::Ensemble { pipeline, .. } => {
             let images = encoded_images(input, &req.model)?;
-            let logits = classify_decoding(
-                &pipeline.classifier,
-                decode_in_order(state, &pipeline.preprocess, &images),
-                RowNames {
-                    model: &req.model,
-                    input: &input.name,
-                },
-                RowFormat::Image(pipeline.normalize),
-                req.options,
-            )
-            .await?;
-            logits_outputs(&wanted, &logits, pipeline.labels.as_deref())
+            // The protocol has no per-row errors: a bad image fails the request, naming it.
+            let bad_image = |row, error| -> RowIn<Infallible> {
+                RowIn::Abort(BadRow::new(&input.name, &req.model, row, error).into())
+            };
+            let images = futures_util::stream::iter(images).map(|i| Ok(Encoded::Image(i)));
+            let rows = pipeline
+                .classify(&state.pool, req.options, want, images, bad_image)
+                .await?;
+            classifier_outputs(&wanted, &every_row(rows), pipeline.labels.as_deref())?
         }
         ServedModel::Classifier { handle, .. } => {
             let ModelKind::Classifier(spec) = &model.kind else {
                 unreachable!("a served classifier is a classifier in the repository")
             };
             let rows = tensor_rows(input, &req.model, spec.height, spec.width)?;
-            let logits = classify_rows(handle, rows, RowFormat::TensorF32, req.options).await?;
-            logits_outputs(&wanted, &logits, spec.labels.as_deref())
+            let spec_ = RequestSpec {
+                options: req.options,
+                format: RowFormat::TensorF32,
+                want,
+            };
+            let rows = futures_util::stream::iter(rows).map(RowIn::Row);
+            let rows = handle.run(spec_, rows).await?;
+            classifier_outputs(&wanted, &every_row(rows), spec.labels.as_deref())?
         }
         ServedModel::Preprocessor {
             preprocess,
@@ -109,16 +143,7 @@ pub async fn infer(state: &AppState, req: InferRequest) -> Result<InferResponse,
             ..
         } => {
             let images = encoded_images(input, &req.model)?;
-            let names = RowNames {
-                model: &req.model,
-                input: &input.name,
-            };
-            let decoding = decode_in_order(state, preprocess, &images).enumerate();
-            let mut decoding = std::pin::pin!(decoding);
-            let mut rows = Vec::with_capacity(images.len());
-            while let Some((i, got)) = decoding.next().await {
-                rows.push(names.row(i, got)?);
-            }
+            let rows = decode_all(state, preprocess, images, &input.name, &req.model).await?;
             preprocessed_outputs(&wanted, &rows, preprocess, normalize, &req.model)?
         }
     };
@@ -227,139 +252,48 @@ fn encoded_images(input: &InputTensor, model: &str) -> Result<Vec<Bytes>, Gatewa
     Ok(images)
 }
 
-/// Images in flight on the decode pool at once for one request: enough to keep every
-/// decode thread busy, few enough that a large request does not crowd out others.
-const DECODE_AHEAD: usize = 32;
-
-type Decoded = Result<Result<Row, PreprocessError>, tokio::sync::oneshot::error::RecvError>;
-
-/// Each image decoded on the pool, yielded in order as soon as it and those before it are
-/// done.
-fn decode_in_order<'a>(
-    state: &'a AppState,
-    settings: &Arc<PreprocessSettings>,
-    images: &'a [Bytes],
-) -> impl futures_util::Stream<Item = Decoded> + 'a {
-    let settings = settings.clone();
-    futures_util::stream::iter(images)
-        .map(move |image| {
-            let settings = settings.clone();
-            async move { state.pool.submit(image.clone(), settings).await.await }
-        })
-        .buffered(DECODE_AHEAD)
-}
-
-/// Says which row of which input failed to decode.
-struct RowNames<'a> {
-    model: &'a str,
-    input: &'a str,
-}
-
-impl RowNames<'_> {
-    fn row(&self, i: usize, got: Decoded) -> Result<Row, GatewayError> {
-        match got {
-            Ok(Ok(row)) => Ok(row),
-            Ok(Err(e)) => Err(invalid(format!(
-                "input '{}' of model '{}', row {i}: {e}",
-                self.input, self.model
-            ))),
-            Err(_) => Err(GatewayError::new(
-                ErrorKind::NotReady,
-                "the decode pool is shutting down",
-            )),
-        }
+/// The preprocessor model alone: every image decoded on the pool, in order; the first that
+/// fails fails the request, naming its row.
+async fn decode_all(
+    state: &AppState,
+    settings: &std::sync::Arc<PreprocessSettings>,
+    images: Vec<Bytes>,
+    input: &str,
+    model: &str,
+) -> Result<Vec<Row>, GatewayError> {
+    let n = images.len();
+    let images = futures_util::stream::iter(images).map(|i| Ok(Encoded::Image(i)));
+    let mut decoding = std::pin::pin!(pipeline::decode(&state.pool, settings, images).enumerate());
+    let mut rows = Vec::with_capacity(n);
+    while let Some((i, decoded)) = decoding.next().await {
+        rows.push(decoded?.map_err(|error| BadRow::new(input, model, i, error))?);
     }
+    Ok(rows)
 }
 
-const LOGITS: OutputRequest = OutputRequest {
-    top_k: 0,
-    logits: true,
-};
-
-/// Runs ready rows (the caller's tensors) through the classifier; each row's logits.
-async fn classify_rows(
-    handle: &ModelHandle,
-    rows: Vec<Row>,
-    format: RowFormat,
-    options: RequestOptions,
-) -> Result<Vec<Vec<f32>>, GatewayError> {
-    let job = InferJob {
-        rows,
-        format,
-        want: LOGITS,
-    };
-    logits_of(handle.infer(job, options).await?)
-}
-
-/// Runs images through the classifier as they decode: rows enter its queue in chunks, so
-/// inference of the first overlaps decoding of the rest. A row that fails to decode fails
-/// the request (its queued chunks are dropped unrun).
-async fn classify_decoding(
-    handle: &ModelHandle,
-    decoding: impl futures_util::Stream<Item = Decoded>,
-    names: RowNames<'_>,
-    format: RowFormat,
-    options: RequestOptions,
-) -> Result<Vec<Vec<f32>>, GatewayError> {
-    let mut admission = handle.admit(options)?;
-    let mut chunks = Vec::new();
-    let mut chunk = Vec::with_capacity(CHUNK_ROWS);
-    let mut decoding = std::pin::pin!(decoding.enumerate());
-    while let Some((i, got)) = decoding.next().await {
-        let row = match names.row(i, got) {
-            Ok(row) => row,
-            Err(e) => {
-                drop(chunks);
-                admission.abandon();
-                return Err(e);
-            }
-        };
-        chunk.push(row);
-        if chunk.len() == CHUNK_ROWS {
-            chunks.push(
-                admission
-                    .submit(job(std::mem::take(&mut chunk), format))
-                    .await,
-            );
-        }
-    }
-    if !chunk.is_empty() {
-        chunks.push(admission.submit(job(chunk, format)).await);
-    }
-    admission.all_submitted();
-    let mut all: JobResult = Ok(Vec::new());
-    for chunk in chunks {
-        let result = match chunk {
-            Ok(pending) => pending.wait(handle.name().as_str()).await,
-            Err(e) => Err(e),
-        };
-        match (&mut all, result) {
-            (Ok(all), Ok(rows)) => all.extend(rows),
-            (Ok(_), Err(e)) => all = Err(e),
-            (Err(_), _) => {}
-        }
-    }
-    admission.finish(&all);
-    logits_of(all?)
-}
-
-fn job(rows: Vec<Row>, format: RowFormat) -> InferJob {
-    InferJob {
-        rows,
-        format,
-        want: LOGITS,
-    }
-}
-
-fn logits_of(outputs: Vec<RowOutput>) -> Result<Vec<Vec<f32>>, GatewayError> {
-    outputs
-        .into_iter()
-        .map(|o| {
-            o.logits.ok_or_else(|| {
-                GatewayError::new(ErrorKind::Internal, "the classifier returned no logits")
-            })
-        })
+/// The rows of a request whose rows cannot fail one by one (the protocol has no per-row
+/// errors).
+fn every_row(rows: Vec<Result<RowOutput, Infallible>>) -> Vec<RowOutput> {
+    rows.into_iter()
+        .map(|r| r.unwrap_or_else(|e| match e {}))
         .collect()
+}
+
+/// What the engine computes for `wanted`: the logits for a tensor output, the top k classes
+/// for classification.
+fn output_request(wanted: &[RequestedOutput]) -> OutputRequest {
+    wanted.iter().fold(OutputRequest::default(), |w, o| {
+        w.merge(match o.classification {
+            Some(k) => OutputRequest {
+                top_k: k,
+                logits: false,
+            },
+            None => OutputRequest {
+                top_k: 0,
+                logits: true,
+            },
+        })
+    })
 }
 
 /// The classifier's FP32 `[N, 3, H, W]` input cut into rows (their raw bytes are already
@@ -380,66 +314,65 @@ fn tensor_rows(
             )))
         }
     }
+    // Slices of the request's data: converted to f32 once, where the batch is assembled.
     let row_bytes = 3 * height * width * 4;
-    Ok(input
-        .data
-        .chunks_exact(row_bytes)
-        .map(<[u8]>::to_vec)
+    Ok((0..input.data.len() / row_bytes)
+        .map(|i| input.data.slice(i * row_bytes..(i + 1) * row_bytes))
         .collect())
 }
 
-/// The requested outputs from each row's logits: the FP32 `[N, C]` tensor, or with
-/// classification BYTES `[N, k]` of `"score:index:label"` (score: the output's value, as
-/// Triton reports it; the label when the model has a label file).
-fn logits_outputs(
+/// The requested outputs from the classifier's rows: the FP32 `[N, C]` logits, or with
+/// classification BYTES `[N, k]` of `"score:index:label"` from the engine's top k (score:
+/// the output's value, as Triton reports it; the label when the model has a label file).
+fn classifier_outputs(
     wanted: &[RequestedOutput],
-    logits: &[Vec<f32>],
+    rows: &[RowOutput],
     labels: Option<&Vec<String>>,
-) -> Vec<OutputTensor> {
-    let n = logits.len();
-    let classes = logits.first().map_or(0, Vec::len);
+) -> Result<Vec<OutputTensor>, GatewayError> {
+    let n = rows.len() as i64;
     wanted
         .iter()
         .map(|w| match w.classification {
-            None => OutputTensor {
-                name: w.name.clone(),
-                datatype: DataType::Fp32,
-                shape: vec![n as i64, classes as i64],
-                data: logits
-                    .iter()
-                    .flatten()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect(),
-            },
+            None => {
+                let mut data = Vec::new();
+                let mut classes = 0;
+                for row in rows {
+                    let logits = row.logits.as_ref().ok_or_else(|| {
+                        GatewayError::new(ErrorKind::Internal, "the classifier returned no logits")
+                    })?;
+                    classes = logits.len();
+                    data.extend(logits.iter().flat_map(|v| v.to_le_bytes()));
+                }
+                Ok(OutputTensor {
+                    name: w.name.clone(),
+                    datatype: DataType::Fp32,
+                    shape: vec![n, classes as i64],
+                    data,
+                })
+            }
             Some(k) => {
-                let k = k.min(classes);
-                let mut elements = Vec::with_capacity(n * k);
-                for row in logits {
-                    elements.extend(top_k(row, k).into_iter().map(|i| {
-                        let label = labels.and_then(|l| l.get(i));
-                        match label {
-                            Some(l) => format!("{:.6}:{i}:{l}", row[i]),
-                            None => format!("{:.6}:{i}", row[i]),
+                let mut elements = Vec::new();
+                let mut width = 0;
+                for row in rows {
+                    let top = &row.top_k[..k.min(row.top_k.len())];
+                    width = top.len();
+                    elements.extend(top.iter().map(|c| {
+                        let (i, value) = (c.class_id, c.value);
+                        match labels.and_then(|l| l.get(i as usize)) {
+                            Some(l) => format!("{value:.6}:{i}:{l}"),
+                            None => format!("{value:.6}:{i}"),
                         }
                     }));
                 }
-                OutputTensor {
+                Ok(OutputTensor {
                     name: w.name.clone(),
                     datatype: DataType::Bytes,
-                    shape: vec![n as i64, k as i64],
+                    shape: vec![n, width as i64],
                     data: encode_bytes_elements(elements.iter().map(String::as_bytes)),
-                }
+                })
             }
         })
         .collect()
-}
-
-/// Indices of the `k` largest values, largest first (ties: lower index first).
-fn top_k(row: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..row.len()).collect();
-    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-    idx.truncate(k);
-    idx
 }
 
 /// The preprocessor's output: each u8 HWC row as normalized FP32 CHW.
@@ -458,7 +391,7 @@ fn preprocessed_outputs(
     }
     let mut data = Vec::with_capacity(rows.len() * 3 * h * w * 4);
     for row in rows {
-        let hwc = ndarray::ArrayView3::from_shape((h, w, 3), row.as_slice())
+        let hwc = ndarray::ArrayView3::from_shape((h, w, 3), &row[..])
             .map_err(|e| GatewayError::new(ErrorKind::Internal, e.to_string()))?;
         for c in 0..3 {
             let (mean, std) = (normalize.mean[c], normalize.std[c]);
@@ -481,11 +414,20 @@ fn preprocessed_outputs(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::ClassScore;
 
-    #[test]
-    fn top_k_is_largest_first_with_ties_by_index() {
-        assert_eq!(top_k(&[0.1, 0.9, 0.5, 0.9], 3), vec![1, 3, 2]);
-        assert_eq!(top_k(&[1.0], 5), vec![0]);
+    fn row(top: &[(u32, f32)], logits: &[f32]) -> RowOutput {
+        RowOutput {
+            top_k: top
+                .iter()
+                .map(|&(class_id, value)| ClassScore {
+                    class_id,
+                    score: 0.5,
+                    value,
+                })
+                .collect(),
+            logits: Some(logits.to_vec()),
+        }
     }
 
     #[test]
@@ -495,12 +437,13 @@ mod tests {
             name: "out".into(),
             classification: Some(2),
         }];
-        let out = logits_outputs(&wanted, &[vec![1.5, -2.0, 3.25]], Some(&labels));
+        let rows = [row(&[(2, 3.25), (0, 1.5)], &[1.5, -2.0, 3.25])];
+        let out = classifier_outputs(&wanted, &rows, Some(&labels)).unwrap();
         assert_eq!(out[0].datatype, DataType::Bytes);
         assert_eq!(out[0].shape, vec![1, 2]);
         let elements = split_bytes_elements(&out[0].data).unwrap();
         assert_eq!(elements, vec![&b"3.250000:2:cow"[..], b"1.500000:0:cat"]);
-        let out = logits_outputs(&wanted, &[vec![1.5, -2.0, 3.25]], None);
+        let out = classifier_outputs(&wanted, &rows, None).unwrap();
         let elements = split_bytes_elements(&out[0].data).unwrap();
         assert_eq!(elements[0], b"3.250000:2");
     }
@@ -511,7 +454,8 @@ mod tests {
             name: "out".into(),
             classification: None,
         }];
-        let out = logits_outputs(&wanted, &[vec![1.0, 2.0], vec![3.0, 4.0]], None);
+        let rows = [row(&[], &[1.0, 2.0]), row(&[], &[3.0, 4.0])];
+        let out = classifier_outputs(&wanted, &rows, None).unwrap();
         assert_eq!(out[0].shape, vec![2, 2]);
         let values: Vec<f32> = out[0]
             .data
@@ -519,5 +463,26 @@ mod tests {
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
             .collect();
         assert_eq!(values, vec![1.0, 2.0, 3.0, 4.0]);
+    }
+
+    #[test]
+    fn classification_and_logits_together_ask_the_engine_for_both() {
+        let wanted = [
+            RequestedOutput {
+                name: "out".into(),
+                classification: Some(3),
+            },
+            RequestedOutput {
+                name: "out".into(),
+                classification: None,
+            },
+        ];
+        assert_eq!(
+            output_request(&wanted),
+            OutputRequest {
+                top_k: 3,
+                logits: true
+            }
+        );
     }
 }

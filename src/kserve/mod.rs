@@ -58,7 +58,7 @@ pub fn resolve(
             )
         })?)),
     };
-    state.model_version(model, version)
+    Ok(state.model_version(model, version)?)
 }
 
 /// Triton's datatype names: the config's `TYPE_X` without the prefix, `STRING` as `BYTES`.

@@ -16,6 +16,8 @@ use fast_image_resize::{
 use image::ImageFormat;
 use turbojpeg::{Colorspace, Decompressor, PixelFormat, ScalingFactor};
 
+use crate::error::{ErrorKind, HasKind};
+
 pub use pool::{PreprocessPool, Row};
 
 /// What the preprocessor produces and what it accepts.
@@ -54,6 +56,18 @@ pub enum PreprocessError {
     },
     #[error("the file is {size} bytes, above the limit of {limit}")]
     FileTooLarge { size: u64, limit: u64 },
+}
+
+impl HasKind for PreprocessError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            PreprocessError::Empty | PreprocessError::Invalid(_) => ErrorKind::InvalidInput,
+            PreprocessError::Unsupported(_) => ErrorKind::UnsupportedMediaType,
+            PreprocessError::TooLarge { .. } | PreprocessError::FileTooLarge { .. } => {
+                ErrorKind::PayloadTooLarge
+            }
+        }
+    }
 }
 
 impl PreprocessError {

@@ -8,8 +8,9 @@ use tokio::sync::oneshot;
 use super::{decode_into, PreprocessError, PreprocessSettings};
 use crate::telemetry::Metrics;
 
-/// One preprocessed image: u8 HWC RGB of the model's input size.
-pub type Row = Vec<u8>;
+/// One row of a model's input: a preprocessed image (u8 HWC RGB of the model's input
+/// size), or a caller's tensor row (its little-endian bytes, a slice of the request).
+pub type Row = Bytes;
 
 type Reply = oneshot::Sender<Result<Row, PreprocessError>>;
 
@@ -80,7 +81,7 @@ fn worker(rx: async_channel::Receiver<Task>, metrics: Arc<Metrics>) {
         metrics
             .decode_seconds
             .observe(started.elapsed().as_secs_f64());
-        let _ = task.reply.send(result.map(|()| row));
+        let _ = task.reply.send(result.map(|()| Bytes::from(row)));
     }
 }
 

@@ -14,6 +14,7 @@ pub use spec::{
 };
 
 use crate::domain::{ModelName, ModelVersion};
+use crate::error::{ErrorKind, HasKind};
 
 /// Prost types generated from `proto/model_config.proto` (Triton's field names and numbers).
 pub mod pb {
@@ -43,6 +44,18 @@ pub enum RepositoryError {
         field: String,
         message: String,
     },
+}
+
+impl HasKind for RepositoryError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            RepositoryError::Io { .. } => ErrorKind::Internal,
+            // A configuration a client sent (`load` with `config`) or wrote.
+            RepositoryError::Parse { .. }
+            | RepositoryError::Unsupported { .. }
+            | RepositoryError::Invalid { .. } => ErrorKind::InvalidInput,
+        }
+    }
 }
 
 /// A model that passed validation and can be started.

@@ -4,9 +4,10 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::handle::QueuePlace;
 use super::instance::Slot;
 use super::policy::{decide, BatchPolicy, Decision};
 use super::{Admitted, Batch, JobState, SchedulerError};
@@ -20,7 +21,7 @@ struct Pending {
     /// When the job times out if none of its rows was cut by then.
     deadline: Option<Instant>,
     /// Frees the request's queue place when its last job leaves the queue.
-    _permit: Arc<OwnedSemaphorePermit>,
+    _place: Arc<QueuePlace>,
 }
 
 impl Pending {
@@ -58,7 +59,7 @@ impl Queue {
             job: admitted.job,
             next_row: 0,
             deadline,
-            _permit: admitted.permit,
+            _place: admitted.place,
         });
     }
 
@@ -116,7 +117,7 @@ impl Queue {
                         self.rows -= p.rows_left();
                         let waited = now - p.job.enqueued_at;
                         let timeout = p.deadline.map_or(waited, |d| d - p.job.enqueued_at);
-                        p.job.fail(SchedulerError::Timeout {
+                        p.job.fail(SchedulerError::Expired {
                             model: model.to_string(),
                             waited_ms: waited.as_millis() as u64,
                             timeout_ms: timeout.as_millis() as u64,
@@ -215,7 +216,9 @@ pub(super) async fn run_batcher(
     let fail_all = |queue: &mut Queue| {
         for level in &mut queue.levels {
             for p in level.drain(..) {
-                p.job.fail(SchedulerError::NotReady(model.clone()));
+                p.job.fail(SchedulerError::NotReady {
+                    model: model.clone(),
+                });
             }
         }
         queue.rows = 0;
@@ -253,7 +256,9 @@ pub(super) async fn run_batcher(
                     if let Err(batch) = slot.batches.send(batch) {
                         // The instance thread ended between offering and receiving.
                         for (job, _) in batch.parts {
-                            job.fail(SchedulerError::NotReady(model.clone()));
+                            job.fail(SchedulerError::NotReady {
+                                model: model.clone(),
+                            });
                         }
                     }
                 }
@@ -313,7 +318,7 @@ mod tests {
     ) -> (Admitted, oneshot::Receiver<JobResult>) {
         let (tx, rx) = oneshot::channel();
         let job = InferJob {
-            rows: vec![vec![0u8; 3]; rows],
+            rows: vec![bytes::Bytes::from_static(&[0u8; 3]); rows],
             format: RowFormat::Image(Normalize {
                 mean: [mean; 3],
                 std: [1.0; 3],
@@ -323,11 +328,12 @@ mod tests {
                 logits: false,
             },
         };
-        let permit = Arc::new(Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap());
+        let permit = Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap();
+        let place = Arc::new(QueuePlace::new(permit, Default::default()));
         (
             Admitted {
                 job: Arc::new(JobState::new(job, tx)),
-                permit,
+                place,
                 level,
                 timeout,
             },
@@ -428,7 +434,7 @@ mod tests {
         assert_eq!(q.len(), 1);
         assert_eq!(q.rows, 1);
         match ra.try_recv() {
-            Ok(Err(SchedulerError::Timeout { timeout_ms, .. })) => assert_eq!(timeout_ms, 10),
+            Ok(Err(SchedulerError::Expired { timeout_ms, .. })) => assert_eq!(timeout_ms, 10),
             other => panic!("expected a timeout, got {other:?}"),
         }
         assert!(rb.try_recv().is_err(), "the other job is still waiting");

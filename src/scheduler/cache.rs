@@ -140,6 +140,7 @@ mod tests {
             top_k: vec![ClassScore {
                 class_id: class,
                 score: 0.5,
+                value: 1.0,
             }],
             logits: None,
         }

@@ -61,7 +61,7 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
     let fail = |message: String| {
         tracing::error!(model = ctx.model, instance = %ctx.id, %message, "batch failed");
         for (job, _) in &batch.parts {
-            job.fail(SchedulerError::Execution {
+            job.fail(SchedulerError::Failed {
                 model: ctx.model.clone(),
                 message: message.clone(),
             });

@@ -10,6 +10,8 @@ mod cache;
 mod handle;
 mod instance;
 pub mod policy;
+mod request;
+mod start;
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -18,43 +20,47 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 
 pub use cache::ResponseCache;
-pub use handle::{
-    start_model, Admission, BatchSizeChoice, EngineFactory, ModelHandle, ModelSettings, ModelState,
-    PendingRows,
-};
+pub use handle::{ModelHandle, ModelState};
 pub use policy::{BatchPolicy, QueuePolicy};
+pub use request::{RequestSpec, RowIn, RunError, RunResult};
+pub use start::{start_model, BatchSizeChoice, EngineFactory, ModelSettings};
 
 use crate::domain::{ClassScore, Normalize};
 use crate::engine::OutputRequest;
-use crate::error::ErrorKind;
+use crate::error::{ErrorKind, HasKind};
 use crate::preprocess::Row;
 
+/// Why a request got no rows back from a model's queue.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum SchedulerError {
-    #[error("model '{0}' is busy: its queue is full, retry later")]
-    Overloaded(String),
-    #[error("model '{0}' is not ready")]
-    NotReady(String),
-    #[error("model '{model}' failed: {message}")]
-    Execution { model: String, message: String },
+    /// Still loading, failed, stopping or retired.
+    #[error("model '{model}' is not ready")]
+    NotReady { model: String },
+    /// Its priority level's queue was full at admission (Triton's `max_queue_size`).
+    #[error("model '{model}' is busy: its queue is full, retry later")]
+    Overloaded { model: String },
+    /// Still queued when its timeout passed (Triton's queue policy, `REJECT`).
     #[error(
         "request timeout expired: waited {waited_ms} ms in the queue of model '{model}' \
          (timeout {timeout_ms} ms)"
     )]
-    Timeout {
+    Expired {
         model: String,
         waited_ms: u64,
         timeout_ms: u64,
     },
+    /// The engine failed the batch its rows ran in.
+    #[error("model '{model}' failed: {message}")]
+    Failed { model: String, message: String },
 }
 
-impl SchedulerError {
-    pub fn kind(&self) -> ErrorKind {
+impl HasKind for SchedulerError {
+    fn kind(&self) -> ErrorKind {
         match self {
-            SchedulerError::Overloaded(_) => ErrorKind::Overloaded,
-            SchedulerError::NotReady(_) => ErrorKind::NotReady,
-            SchedulerError::Execution { .. } => ErrorKind::Internal,
-            SchedulerError::Timeout { .. } => ErrorKind::DeadlineExceeded,
+            SchedulerError::NotReady { .. } => ErrorKind::NotReady,
+            SchedulerError::Overloaded { .. } => ErrorKind::Overloaded,
+            SchedulerError::Expired { .. } => ErrorKind::DeadlineExceeded,
+            SchedulerError::Failed { .. } => ErrorKind::Internal,
         }
     }
 }
@@ -69,9 +75,9 @@ pub enum RowFormat {
     TensorF32,
 }
 
-/// A request's rows and what it wants back.
+/// One chunk of a request's rows and what it wants back.
 #[derive(Debug)]
-pub struct InferJob {
+pub(crate) struct InferJob {
     pub rows: Vec<Row>,
     pub format: RowFormat,
     pub want: OutputRequest,
@@ -84,7 +90,7 @@ pub struct RowOutput {
     pub logits: Option<Vec<f32>>,
 }
 
-pub type JobResult = Result<Vec<RowOutput>, SchedulerError>;
+pub(crate) type JobResult = Result<Vec<RowOutput>, SchedulerError>;
 
 struct Collect {
     outputs: Vec<Option<RowOutput>>,
@@ -168,12 +174,12 @@ impl JobState {
     }
 }
 
-/// A job admitted into a model's queue. The permit is one of `max_queue_size`, shared by
+/// A job admitted into a model's queue. Its place is one of `max_queue_size`, shared by
 /// the jobs of one request and held until their last rows leave the queue, so admission
 /// bounds the requests waiting in the batcher, not just those in the channel.
 pub(crate) struct Admitted {
     pub job: Arc<JobState>,
-    pub permit: Arc<tokio::sync::OwnedSemaphorePermit>,
+    pub place: Arc<handle::QueuePlace>,
     /// Priority level (index into the policy's queues).
     pub level: usize,
     /// How long its rows may wait before any of them is cut.

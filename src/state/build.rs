@@ -3,8 +3,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::{AppState, ImagePipeline, ModelTable, ServedModel, UploadLimits};
+use super::{AppState, ModelTable, ServedModel, UploadLimits};
 use crate::domain::{InstanceId, ModelName};
+use crate::pipeline::ImagePipeline;
 use crate::preprocess::PreprocessSettings;
 use crate::repository::{
     ClassifierSpec, GroupKind, InstanceGroupSpec, ModelKind, PreprocessorSpec, RepositoryModel,

@@ -11,7 +11,8 @@ pub use build::{batch_policy, batch_size_choice, plan_instances, BuildOptions};
 pub use control::{load_parameters, unload_parameters, ControlMode, ControlParam, ControlSettings};
 
 use crate::domain::{ModelName, ModelVersion, Normalize};
-use crate::error::{ErrorKind, GatewayError};
+use crate::error::{ErrorKind, HasKind};
+use crate::pipeline::ImagePipeline;
 use crate::preprocess::{PreprocessPool, PreprocessSettings};
 use crate::repository::RepositoryModel;
 use crate::scheduler::{ModelHandle, ModelState};
@@ -23,18 +24,6 @@ pub struct UploadLimits {
     pub max_files: usize,
     pub max_file_bytes: u64,
     pub max_body_bytes: u64,
-}
-
-/// What `/predict` needs to serve one image model end to end.
-#[derive(Clone)]
-pub struct ImagePipeline {
-    pub name: ModelName,
-    pub version: ModelVersion,
-    pub preprocess: Arc<PreprocessSettings>,
-    pub normalize: Normalize,
-    pub classifier: ModelHandle,
-    pub num_classes: usize,
-    pub labels: Option<Arc<Vec<String>>>,
 }
 
 /// One served version of a model. Cheap to clone (handles and `Arc`s).
@@ -84,6 +73,36 @@ impl ServedModel {
 
     pub fn is_ready(&self) -> bool {
         self.handle().is_none_or(ModelHandle::is_ready)
+    }
+}
+
+/// Why a request's model cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum LookupError {
+    #[error("unknown model '{name}'{why}")]
+    Unknown { name: String, why: String },
+    #[error("model '{name}' has no version {version} loaded (loaded: {loaded})")]
+    NoSuchVersion {
+        name: String,
+        version: ModelVersion,
+        loaded: String,
+    },
+    #[error("model '{name}' is not ready")]
+    NotReady { name: String },
+    #[error(
+        "model '{name}' does not take encoded images; /predict needs an image ensemble such \
+         as 'ensemble_model'"
+    )]
+    NotAnImageModel { name: String },
+}
+
+impl HasKind for LookupError {
+    fn kind(&self) -> ErrorKind {
+        match self {
+            LookupError::Unknown { .. } | LookupError::NoSuchVersion { .. } => ErrorKind::NotFound,
+            LookupError::NotReady { .. } => ErrorKind::NotReady,
+            LookupError::NotAnImageModel { .. } => ErrorKind::InvalidInput,
+        }
     }
 }
 
@@ -168,7 +187,7 @@ impl AppState {
     }
 
     /// The newest served version of `name`.
-    pub fn model(&self, name: &str) -> Result<ServedModel, GatewayError> {
+    pub fn model(&self, name: &str) -> Result<ServedModel, LookupError> {
         self.model_version(name, None)
     }
 
@@ -177,50 +196,41 @@ impl AppState {
         &self,
         name: &str,
         version: Option<ModelVersion>,
-    ) -> Result<ServedModel, GatewayError> {
+    ) -> Result<ServedModel, LookupError> {
         let table = self.models();
         if let Some(served) = table.get(name, version) {
             return Ok(served.clone());
         }
-        let message = match (table.models.get(&ModelName::new(name)), version) {
-            (Some(versions), Some(v)) => {
-                let loaded: Vec<String> = versions.keys().map(|v| v.to_string()).collect();
-                format!(
-                    "model '{name}' has no version {v} loaded (loaded: {})",
-                    loaded.join(", ")
-                )
-            }
-            _ => {
-                let why = table
+        let name = name.to_string();
+        Err(match (table.models.get(&ModelName::new(&name)), version) {
+            (Some(versions), Some(version)) => LookupError::NoSuchVersion {
+                name,
+                version,
+                loaded: versions
+                    .keys()
+                    .map(|v| v.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            },
+            _ => LookupError::Unknown {
+                why: table
                     .unavailable
-                    .get(name)
+                    .get(&name)
                     .map(|e| format!(" ({e})"))
-                    .unwrap_or_default();
-                format!("unknown model '{name}'{why}")
-            }
-        };
-        Err(GatewayError::new(ErrorKind::NotFound, message))
+                    .unwrap_or_default(),
+                name,
+            },
+        })
     }
 
     /// The image pipeline behind `name`, for `/predict`.
-    pub fn image_pipeline(&self, name: &str) -> Result<ImagePipeline, GatewayError> {
+    pub fn image_pipeline(&self, name: &str) -> Result<ImagePipeline, LookupError> {
         match self.model(name)? {
-            ServedModel::Ensemble { pipeline, .. } => {
-                if !pipeline.classifier.is_ready() {
-                    return Err(GatewayError::new(
-                        ErrorKind::NotReady,
-                        format!("model '{name}' is not ready"),
-                    ));
-                }
+            ServedModel::Ensemble { pipeline, .. } if pipeline.classifier.is_ready() => {
                 Ok(pipeline)
             }
-            _ => Err(GatewayError::new(
-                ErrorKind::InvalidInput,
-                format!(
-                    "model '{name}' does not take encoded images; /predict needs an image \
-                     ensemble such as 'ensemble_model'"
-                ),
-            )),
+            ServedModel::Ensemble { .. } => Err(LookupError::NotReady { name: name.into() }),
+            _ => Err(LookupError::NotAnImageModel { name: name.into() }),
         }
     }
 

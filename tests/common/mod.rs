@@ -123,6 +123,7 @@ impl TestGateway {
             EngineChoice::Fake {
                 num_classes: 1000,
                 latency,
+                fail_on_first_byte: None,
             },
         )
         .await

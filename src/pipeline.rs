@@ -1,0 +1,90 @@
+//! The image ensemble: encoded images are decoded on the pool, a bounded window ahead, and
+//! their rows enter the classifier's queue as they are ready, so inference of the first
+//! overlaps decoding (and uploading) of the rest. `/predict` and KServe's ensemble models
+//! both run this one pipeline; they differ only in what a bad image does (an error entry of
+//! its own, or the whole request's error).
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt};
+
+use crate::domain::{ModelName, ModelVersion, Normalize, RequestOptions};
+use crate::engine::OutputRequest;
+use crate::error::{ErrorKind, GatewayError};
+use crate::preprocess::{PreprocessError, PreprocessPool, PreprocessSettings, Row};
+use crate::scheduler::{ModelHandle, RequestSpec, RowFormat, RowIn, RunResult};
+
+/// What an image ensemble needs to serve requests end to end.
+#[derive(Clone)]
+pub struct ImagePipeline {
+    pub name: ModelName,
+    pub version: ModelVersion,
+    pub preprocess: Arc<PreprocessSettings>,
+    pub normalize: Normalize,
+    pub classifier: ModelHandle,
+    pub num_classes: usize,
+    pub labels: Option<Arc<Vec<String>>>,
+}
+
+/// One image of a request as it arrives.
+pub enum Encoded {
+    Image(Bytes),
+    /// Unusable before decoding (empty, over the size limit).
+    Failed(PreprocessError),
+}
+
+/// Images in flight on the decode pool at once for one request: enough to keep every
+/// decode thread busy, few enough that a large request does not crowd out others.
+const DECODE_AHEAD: usize = 32;
+
+impl ImagePipeline {
+    /// Classifies `images` in order. `bad_image(row, error)` says what an image that cannot
+    /// be used becomes: `RowIn::Failed` (an error entry of its own) or `RowIn::Abort` (the
+    /// request's error). An `Err` of the stream ends the request with that error.
+    pub async fn classify<F>(
+        &self,
+        pool: &PreprocessPool,
+        options: RequestOptions,
+        want: OutputRequest,
+        images: impl Stream<Item = Result<Encoded, GatewayError>>,
+        bad_image: impl Fn(usize, PreprocessError) -> RowIn<F>,
+    ) -> RunResult<F> {
+        let rows = decode(pool, &self.preprocess, images)
+            .enumerate()
+            .map(|(i, decoded)| match decoded {
+                Ok(Ok(row)) => RowIn::Row(row),
+                Ok(Err(e)) => bad_image(i, e),
+                Err(e) => RowIn::Abort(e),
+            });
+        let spec = RequestSpec {
+            options,
+            format: RowFormat::Image(self.normalize),
+            want,
+        };
+        self.classifier.run(spec, rows).await
+    }
+}
+
+/// Each image decoded on the pool, `DECODE_AHEAD` at a time, yielded in order as soon as it
+/// and those before it are done: its row, or why it cannot be used. An `Err` passes through.
+pub fn decode<'a>(
+    pool: &'a PreprocessPool,
+    settings: &'a Arc<PreprocessSettings>,
+    images: impl Stream<Item = Result<Encoded, GatewayError>> + 'a,
+) -> impl Stream<Item = Result<Result<Row, PreprocessError>, GatewayError>> + 'a {
+    images
+        .map(move |image| async move {
+            let bytes = match image {
+                Ok(Encoded::Image(bytes)) => bytes,
+                Ok(Encoded::Failed(e)) => return Ok(Err(e)),
+                Err(e) => return Err(e),
+            };
+            pool.submit(bytes, settings.clone())
+                .await
+                .await
+                .map_err(|_| {
+                    GatewayError::new(ErrorKind::NotReady, "the decode pool is shutting down")
+                })
+        })
+        .buffered(DECODE_AHEAD)
+}

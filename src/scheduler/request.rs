@@ -1,0 +1,365 @@
+//! One request through a model's queue, the only way rows reach a model: admission, rows
+//! submitted in chunks as they arrive, the response cache, the merge of every chunk's
+//! outputs in row order, and the request's accounting (Triton's success and failure
+//! counters, which the statistics extension reads too).
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::{Stream, StreamExt};
+use tokio::sync::oneshot;
+
+use super::cache::{CacheKey, ResponseCache};
+use super::handle::{Inner, QueuePlace};
+use super::SchedulerError;
+use super::{Admitted, InferJob, JobResult, JobState, ModelHandle, RowFormat, RowOutput};
+use crate::domain::RequestOptions;
+use crate::engine::OutputRequest;
+use crate::error::GatewayError;
+use crate::preprocess::Row;
+use crate::telemetry::{micros, reason};
+
+/// Rows submitted per job while a request's rows still arrive: small enough that the
+/// first rows start early, large enough that the per-job cost is nothing. The batcher
+/// still merges jobs into each instance's own batch size.
+const CHUNK_ROWS: usize = 8;
+
+/// What a request asks of the model, besides its rows.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestSpec {
+    pub options: RequestOptions,
+    pub format: RowFormat,
+    pub want: OutputRequest,
+}
+
+/// One row of a request as it arrives.
+pub enum RowIn<F> {
+    Row(Row),
+    /// The row has no input (an unusable file): its result is this error, and the other
+    /// rows are unaffected.
+    Failed(F),
+    /// The request cannot go on (a malformed upload, a row that fails the whole request):
+    /// its queued rows are dropped unrun.
+    Abort(GatewayError),
+}
+
+/// Why a request got no rows back.
+#[derive(Debug)]
+pub enum RunError {
+    /// Refused, expired, failed in the engine, or the model stopped.
+    Scheduler(SchedulerError),
+    /// The caller's rows ended the request (`RowIn::Abort`).
+    Aborted(GatewayError),
+}
+
+impl From<RunError> for GatewayError {
+    fn from(e: RunError) -> GatewayError {
+        match e {
+            RunError::Scheduler(e) => e.into(),
+            RunError::Aborted(e) => e,
+        }
+    }
+}
+
+/// Each row's output (or its own error), in the order the rows came.
+pub type RunResult<F> = Result<Vec<Result<RowOutput, F>>, RunError>;
+
+impl ModelHandle {
+    /// Runs one request: takes a place in the queue (or refuses at once: `Overloaded` when
+    /// the queue is full, `NotReady`), submits the rows in chunks as they arrive so the first
+    /// run while the rest still arrive, and answers every row in order. Dropping the future
+    /// cancels the request: its queued rows leave the queue unrun and it counts as
+    /// Triton's `CANCELED`. Every outcome is counted once, here.
+    pub async fn run<F>(
+        &self,
+        spec: RequestSpec,
+        rows: impl Stream<Item = RowIn<F>>,
+    ) -> RunResult<F> {
+        let mut admission = match self.admit(spec.options) {
+            Ok(admission) => admission,
+            Err(e) => {
+                self.account(outcome_of_error(&e), Instant::now());
+                return Err(RunError::Scheduler(e));
+            }
+        };
+        let result = admission.feed(spec, rows).await;
+        let outcome = match &result {
+            Ok(_) => Outcome::Completed,
+            Err(RunError::Scheduler(e)) => outcome_of_error(e),
+            Err(RunError::Aborted(_)) => Outcome::Aborted,
+        };
+        admission.finish(outcome);
+        result
+    }
+
+    /// Takes one place in the model's queue, or refuses at once; never waits for room.
+    fn admit(&self, options: RequestOptions) -> Result<Admission, SchedulerError> {
+        let inner = &self.inner;
+        let model = || inner.name.to_string();
+        if !self.is_ready() || inner.retired.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(SchedulerError::NotReady { model: model() });
+        }
+        let level = inner.policy.level(options.priority);
+        let permit = inner.queue_places[level]
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| SchedulerError::Overloaded { model: model() })?;
+        Ok(Admission {
+            handle: self.clone(),
+            place: Some(Arc::new(QueuePlace::new(permit, inner.place_freed.clone()))),
+            level,
+            timeout: inner.policy.queues[level].timeout_for(options.timeout),
+            started: Instant::now(),
+            submitted_any: false,
+            finished: false,
+        })
+    }
+
+    /// Counts a request's outcome: Triton's success counter and duration, or its failure
+    /// counter with the reason.
+    fn account(&self, outcome: Outcome, started: Instant) {
+        let inner = &self.inner;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        inner
+            .last_inference_ms
+            .store(now, std::sync::atomic::Ordering::Relaxed);
+        let version = inner.version.to_string();
+        let labels = [inner.name.as_str(), version.as_str()];
+        let m = &inner.metrics;
+        let why = match outcome {
+            Outcome::Completed => {
+                m.request_success.with_label_values(&labels).inc();
+                m.request_duration_us
+                    .with_label_values(&labels)
+                    .inc_by(micros(started.elapsed()));
+                return;
+            }
+            Outcome::Rejected => reason::REJECTED,
+            Outcome::Cancelled => reason::CANCELED,
+            Outcome::Failed => reason::BACKEND,
+            Outcome::NotReady | Outcome::Aborted => reason::OTHER,
+        };
+        m.request_failure
+            .with_label_values(&[labels[0], labels[1], why])
+            .inc();
+    }
+}
+
+/// How a request ended, as counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Completed,
+    /// Queue full, or expired in the queue (Triton counts both as `REJECTED`).
+    Rejected,
+    /// The caller went away (dropped the request).
+    Cancelled,
+    /// The engine failed (`BACKEND`).
+    Failed,
+    NotReady,
+    /// Its own rows ended it (`OTHER`).
+    Aborted,
+}
+
+fn outcome_of_error(e: &SchedulerError) -> Outcome {
+    match e {
+        SchedulerError::Overloaded { .. } | SchedulerError::Expired { .. } => Outcome::Rejected,
+        SchedulerError::Failed { .. } => Outcome::Failed,
+        SchedulerError::NotReady { .. } => Outcome::NotReady,
+    }
+}
+
+/// One admitted request. Dropped before `finish` (its caller went away), it counts as
+/// Triton's `CANCELED`; the batcher drops its queued rows since nobody waits for them.
+struct Admission {
+    handle: ModelHandle,
+    /// Shared with the queued jobs; `None` once every row is submitted, so the place is
+    /// freed as soon as the last job leaves the queue.
+    place: Option<Arc<QueuePlace>>,
+    level: usize,
+    timeout: Option<Duration>,
+    started: Instant,
+    /// Set once the request's first job is queued.
+    submitted_any: bool,
+    /// Set by `finish`, so `Drop` knows the outcome was counted.
+    finished: bool,
+}
+
+impl Admission {
+    /// Submits the rows in chunks as they arrive, then waits for every chunk's outputs.
+    async fn feed<F>(
+        &mut self,
+        spec: RequestSpec,
+        rows: impl Stream<Item = RowIn<F>>,
+    ) -> RunResult<F> {
+        // Per row in arrival order: `Ok` takes the next output, `Err` is the row's own error.
+        let mut slots: Vec<Result<(), F>> = Vec::new();
+        let mut pending = Vec::new();
+        let mut chunk = Vec::with_capacity(CHUNK_ROWS);
+        let mut rows = std::pin::pin!(rows);
+        while let Some(row) = rows.next().await {
+            match row {
+                RowIn::Row(row) => {
+                    chunk.push(row);
+                    slots.push(Ok(()));
+                }
+                RowIn::Failed(e) => slots.push(Err(e)),
+                RowIn::Abort(e) => return Err(RunError::Aborted(e)),
+            }
+            if chunk.len() == CHUNK_ROWS {
+                let rows = std::mem::replace(&mut chunk, Vec::with_capacity(CHUNK_ROWS));
+                pending.push(self.submit(rows, spec).await?);
+            }
+        }
+        if !chunk.is_empty() {
+            pending.push(self.submit(chunk, spec).await?);
+        }
+        // No more jobs: the place is freed when the last one leaves the queue.
+        self.place = None;
+        let mut outputs = Vec::with_capacity(slots.len());
+        for chunk in pending {
+            outputs.extend(chunk.wait(&self.handle.inner).await?);
+        }
+        let mut outputs = outputs.into_iter();
+        slots
+            .into_iter()
+            .map(|slot| match slot {
+                Ok(()) => outputs.next().map(Ok).ok_or_else(|| {
+                    RunError::Scheduler(SchedulerError::Failed {
+                        model: self.handle.inner.name.to_string(),
+                        message: "fewer outputs than rows".into(),
+                    })
+                }),
+                Err(e) => Ok(Err(e)),
+            })
+            .collect()
+    }
+
+    /// Queues one chunk (the rows the response cache does not know). Waits only if the
+    /// channel to the batcher is momentarily full: the request is already admitted, this is
+    /// backpressure, not admission.
+    async fn submit(&mut self, rows: Vec<Row>, spec: RequestSpec) -> Result<PendingRows, RunError> {
+        let inner = &self.handle.inner;
+        let mut job = InferJob {
+            rows,
+            format: spec.format,
+            want: spec.want,
+        };
+        let (reply, computed) = oneshot::channel();
+        let mut miss_keys = Vec::new();
+        let cached = inner.cache.as_ref().map(|cache| {
+            let (found, keys) = lookup(inner, cache, &job);
+            let rows = std::mem::take(&mut job.rows);
+            for ((row, key), found) in rows.into_iter().zip(keys).zip(&found) {
+                if found.is_none() {
+                    job.rows.push(row);
+                    miss_keys.push(key);
+                }
+            }
+            found
+        });
+        if job.rows.is_empty() {
+            let _ = reply.send(Ok(Vec::new()));
+            return Ok(PendingRows { computed, cached });
+        }
+        let place = self
+            .place
+            .clone()
+            .expect("rows are submitted only before the request is complete");
+        let mut state = JobState::new(job, reply);
+        state.cache = inner.cache.clone().map(|cache| (cache, miss_keys));
+        state.first_of_request = !std::mem::replace(&mut self.submitted_any, true);
+        let admitted = Admitted {
+            job: Arc::new(state),
+            place,
+            level: self.level,
+            timeout: self.timeout,
+        };
+        inner.jobs.send(admitted).await.map_err(|_| {
+            RunError::Scheduler(SchedulerError::NotReady {
+                model: inner.name.to_string(),
+            })
+        })?;
+        Ok(PendingRows { computed, cached })
+    }
+
+    fn finish(&mut self, outcome: Outcome) {
+        self.handle.account(outcome, self.started);
+        self.finished = true;
+    }
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.handle.account(Outcome::Cancelled, self.started);
+        }
+    }
+}
+
+/// The outputs of one submitted chunk, in its row order.
+struct PendingRows {
+    computed: oneshot::Receiver<JobResult>,
+    /// Per row of the chunk: its cached output, or `None` when the model runs it.
+    cached: Option<Vec<Option<RowOutput>>>,
+}
+
+impl PendingRows {
+    async fn wait(self, inner: &Inner) -> Result<Vec<RowOutput>, RunError> {
+        let model = || inner.name.to_string();
+        let computed = self
+            .computed
+            .await
+            .unwrap_or_else(|_| Err(SchedulerError::NotReady { model: model() }))
+            .map_err(RunError::Scheduler)?;
+        let Some(found) = self.cached else {
+            return Ok(computed);
+        };
+        let mut computed = computed.into_iter();
+        found
+            .into_iter()
+            .map(|found| {
+                found.or_else(|| computed.next()).ok_or_else(|| {
+                    RunError::Scheduler(SchedulerError::Failed {
+                        model: model(),
+                        message: "fewer outputs than rows".into(),
+                    })
+                })
+            })
+            .collect()
+    }
+}
+
+/// Looks every row of `job` up in the cache and counts hits and misses: each row's cached
+/// output (if any) and key.
+fn lookup(
+    inner: &Inner,
+    cache: &ResponseCache,
+    job: &InferJob,
+) -> (Vec<Option<RowOutput>>, Vec<CacheKey>) {
+    let keys: Vec<CacheKey> = job
+        .rows
+        .iter()
+        .map(|row| {
+            ResponseCache::key(
+                inner.name.as_str(),
+                inner.version.0,
+                inner.generation,
+                &job.format,
+                job.want,
+                row,
+            )
+        })
+        .collect();
+    let found: Vec<Option<RowOutput>> = keys.iter().map(|&k| cache.get(k)).collect();
+    let hits = found.iter().filter(|f| f.is_some()).count() as u64;
+    let version = inner.version.to_string();
+    let mv = [inner.name.as_str(), version.as_str()];
+    inner.metrics.cache_hits.with_label_values(&mv).inc_by(hits);
+    inner
+        .metrics
+        .cache_misses
+        .with_label_values(&mv)
+        .inc_by(found.len() as u64 - hits);
+    (found, keys)
+}
