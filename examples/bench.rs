@@ -6,6 +6,10 @@
 //!      (c) the same 1000-photo request handled naively (one batch, one instance)
 //!
 //! `make bench` (or `cargo run --release --example bench -- [--images 1000]`).
+//!
+//! `--compare BIN_A BIN_B [--rounds N]` runs only 3b and 3d, alternating the two server
+//! binaries for N rounds (default 3), so a change is measured against its base in one run
+//! with the noise visible.
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -104,6 +108,9 @@ async fn main() {
         .map(|v| v.parse().expect("--images N"))
         .unwrap_or(1000);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if let Some(bins) = compare_args() {
+        return compare(&bins, images).await;
+    }
     let model = root().join("models/classifier/1/model.pt");
     println!("visiongate benchmark: {cores} cores, EfficientNet-Lite0 on CPU (libtorch)\n");
 
@@ -211,6 +218,54 @@ async fn main() {
     print!("{}", server.metrics_summary().await);
 }
 
+/// `--compare A B` and `--rounds N`.
+fn compare_args() -> Option<(Vec<PathBuf>, usize)> {
+    let args: Vec<String> = std::env::args().collect();
+    let at = args.iter().position(|a| a == "--compare")?;
+    let bins = args[at + 1..]
+        .iter()
+        .take_while(|a| !a.starts_with("--"))
+        .map(PathBuf::from)
+        .collect();
+    let rounds = args
+        .iter()
+        .position(|a| a == "--rounds")
+        .map_or(3, |i| args[i + 1].parse().expect("--rounds N"));
+    Some((bins, rounds))
+}
+
+/// 3b and 3d for each binary, alternating, `rounds` times.
+async fn compare((bins, rounds): &(Vec<PathBuf>, usize), images: usize) {
+    let small = photos("small");
+    println!(
+        "{:<5} {:<28} {:>12} {:>22} {:>22} {:>22}",
+        "round",
+        "binary",
+        "3b img/s",
+        "c=1 req/s p50 p99",
+        "c=8 req/s p50 p99",
+        "c=32 req/s p50 p99"
+    );
+    for round in 1..=*rounds {
+        for bin in bins {
+            let server = Server::start_bin(bin, &[]).await;
+            let (rate, _) = one_big_request(&server, &small, images).await;
+            let mut cells = Vec::new();
+            for (concurrency, total) in [(1, 40), (8, 160), (32, 320)] {
+                let (rps, p50, p99) = single_image_load(&server, &small, concurrency, total).await;
+                cells.push(format!("{rps:>8.1} {p50:>6.1} {p99:>6.1}"));
+            }
+            let name = bin
+                .file_name()
+                .map_or(String::new(), |n| n.to_string_lossy().into());
+            println!(
+                "{round:<5} {name:<28} {rate:>12.1} {:>22} {:>22} {:>22}",
+                cells[0], cells[1], cells[2]
+            );
+        }
+    }
+}
+
 /// The real server binary on a free port, stopped on drop.
 struct Server {
     child: std::process::Child,
@@ -240,9 +295,13 @@ impl Server {
                     .unwrap()
                     .join("visiongate")
             });
+        Self::start_bin(&bin, args).await
+    }
+
+    async fn start_bin(bin: &Path, args: &[&str]) -> Server {
         let (port, metrics_port) = (free_port(), free_port());
         let repo = root().join("models");
-        let mut cmd = std::process::Command::new(&bin);
+        let mut cmd = std::process::Command::new(bin);
         cmd.args([
             "--host",
             "127.0.0.1",

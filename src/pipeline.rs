@@ -3,6 +3,7 @@
 //! overlaps decoding (and uploading) of the rest. `/predict` and KServe's ensemble models
 //! both run this one pipeline; they differ only in what a bad image does (an error entry of
 //! its own, or the whole request's error).
+use std::future::Future;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -35,18 +36,20 @@ pub enum Encoded {
 
 /// Images in flight on the decode pool at once for one request: enough to keep every
 /// decode thread busy, few enough that a large request does not crowd out others.
-const DECODE_AHEAD: usize = 32;
+pub const DECODE_AHEAD: usize = 32;
 
 impl ImagePipeline {
     /// Classifies `images` in order. `bad_image(row, error)` says what an image that cannot
     /// be used becomes: `RowIn::Failed` (an error entry of its own) or `RowIn::Abort` (the
-    /// request's error). An `Err` of the stream ends the request with that error.
+    /// request's error). If `abort` resolves first, the request ends with its error at once,
+    /// ahead of the images still decoding.
     pub async fn classify<F>(
         &self,
         pool: &PreprocessPool,
         options: RequestOptions,
         want: OutputRequest,
-        images: impl Stream<Item = Result<Encoded, GatewayError>>,
+        images: impl Stream<Item = Encoded>,
+        abort: impl Future<Output = GatewayError>,
         bad_image: impl Fn(usize, PreprocessError) -> RowIn<F>,
     ) -> RunResult<F> {
         let rows = decode(pool, &self.preprocess, images)
@@ -61,23 +64,22 @@ impl ImagePipeline {
             format: RowFormat::Image(self.normalize),
             want,
         };
-        self.classifier.run(spec, rows).await
+        self.classifier.run(spec, abortable(rows, abort)).await
     }
 }
 
 /// Each image decoded on the pool, `DECODE_AHEAD` at a time, yielded in order as soon as it
-/// and those before it are done: its row, or why it cannot be used. An `Err` passes through.
+/// and those before it are done: its row, or why it cannot be used (`Err`: the pool stopped).
 pub fn decode<'a>(
     pool: &'a PreprocessPool,
     settings: &'a Arc<PreprocessSettings>,
-    images: impl Stream<Item = Result<Encoded, GatewayError>> + 'a,
+    images: impl Stream<Item = Encoded> + 'a,
 ) -> impl Stream<Item = Result<Result<Row, PreprocessError>, GatewayError>> + 'a {
     images
         .map(move |image| async move {
             let bytes = match image {
-                Ok(Encoded::Image(bytes)) => bytes,
-                Ok(Encoded::Failed(e)) => return Ok(Err(e)),
-                Err(e) => return Err(e),
+                Encoded::Image(bytes) => bytes,
+                Encoded::Failed(e) => return Ok(Err(e)),
             };
             pool.submit(bytes, settings.clone())
                 .await
@@ -87,4 +89,20 @@ pub fn decode<'a>(
                 })
         })
         .buffered(DECODE_AHEAD)
+}
+
+/// `rows`, ended by `abort`'s error as soon as it resolves.
+fn abortable<F>(
+    rows: impl Stream<Item = RowIn<F>>,
+    abort: impl Future<Output = GatewayError>,
+) -> impl Stream<Item = RowIn<F>> {
+    let state = Some((Box::pin(rows), Box::pin(abort)));
+    futures_util::stream::unfold(state, |state| async move {
+        let (mut rows, mut abort) = state?;
+        tokio::select! {
+            biased;
+            e = &mut abort => Some((RowIn::Abort(e), None)),
+            row = rows.next() => Some((row?, Some((rows, abort)))),
+        }
+    })
 }

@@ -12,7 +12,7 @@ use bytes::BytesMut;
 use futures_util::future::Either;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use super::client;
 use crate::domain::RequestOptions;
@@ -114,7 +114,14 @@ fn too_large(message: impl Into<String>) -> GatewayError {
 }
 
 fn multipart_error(e: actix_multipart::MultipartError) -> GatewayError {
-    invalid(format!("malformed multipart body: {e}"))
+    use actix_web::error::PayloadError;
+    match e {
+        // The connection ended before the body did: the client left mid-upload.
+        actix_multipart::MultipartError::Payload(
+            PayloadError::Incomplete(_) | PayloadError::Io(_),
+        ) => client::left(),
+        e => invalid(format!("malformed multipart body: {e}")),
+    }
 }
 
 /// Classifies the uploaded images, in upload order. A file that cannot be used gets an
@@ -188,10 +195,18 @@ async fn classify(
         top_k,
         logits: false,
     };
-    // The reader streams the body into this channel, one entry per file part (or the
-    // upload's error); every file of a request fits, the body limit bounds their bytes.
-    let (files_tx, files_rx) = mpsc::channel(state.limits.max_files.max(1));
-    let reader = std::pin::pin!(read_upload(&req, payload, &state, files_tx));
+    // The reader streams the body into this channel, one entry per file part, paced by the
+    // decoding (so the upload slows down instead of piling up in memory); its error, if
+    // any, ends the request at once through `abort`.
+    let (files_tx, files_rx) = mpsc::channel(1);
+    let (abort_tx, abort_rx) = oneshot::channel();
+    let reader = std::pin::pin!(read_upload(&req, payload, &state, files_tx, abort_tx));
+    let abort = async move {
+        match abort_rx.await {
+            Ok(e) => e,
+            Err(_) => std::future::pending().await, // the upload was read whole
+        }
+    };
     // The queue place is taken before the upload is read (a full queue answers 503 at
     // once); rows then enter the queue as their decode finishes.
     let run = std::pin::pin!(pipeline.classify(
@@ -199,6 +214,7 @@ async fn classify(
         options,
         want,
         tokio_stream::wrappers::ReceiverStream::new(files_rx),
+        abort,
         |_, e| RowIn::Failed(e),
     ));
     let (outputs, filenames) = match futures_util::future::select(run, reader).await {
@@ -208,6 +224,7 @@ async fn classify(
         Either::Left((Err(e), _)) => return Err(e.into()),
         Either::Right((filenames, run)) => (run.await?, filenames),
     };
+    debug_assert_eq!(filenames.len(), outputs.len(), "one result per file");
     let label = |class: u32| {
         pipeline
             .labels
@@ -262,13 +279,14 @@ async fn classify(
 }
 
 /// Streams the multipart body into `files`: each complete file part (or why it is unusable)
-/// as soon as it is read, or the upload's error, which ends the request. Returns the files'
-/// names in upload order.
+/// as soon as it is read; the upload's error, which ends the request, goes to `abort`.
+/// Returns the files' names in upload order.
 async fn read_upload(
     req: &HttpRequest,
     payload: web::Payload,
     state: &AppState,
-    files: mpsc::Sender<Result<Encoded, GatewayError>>,
+    files: mpsc::Sender<Encoded>,
+    abort: oneshot::Sender<GatewayError>,
 ) -> Vec<String> {
     let mut names = Vec::new();
     let result = read_parts(req, payload, state, &files, &mut names).await;
@@ -279,7 +297,7 @@ async fn read_upload(
         other => other,
     };
     if let Err(e) = end {
-        let _ = files.send(Err(e)).await;
+        let _ = abort.send(e);
     }
     names
 }
@@ -288,7 +306,7 @@ async fn read_parts(
     req: &HttpRequest,
     payload: web::Payload,
     state: &AppState,
-    files: &mpsc::Sender<Result<Encoded, GatewayError>>,
+    files: &mpsc::Sender<Encoded>,
     names: &mut Vec<String>,
 ) -> Result<(), GatewayError> {
     let limits = &state.limits;
@@ -339,7 +357,7 @@ async fn read_parts(
             Encoded::Image(data.freeze())
         };
         names.push(filename);
-        if files.send(Ok(image)).await.is_err() {
+        if files.send(image).await.is_err() {
             break; // the request ended: its error answers it
         }
     }

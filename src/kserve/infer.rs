@@ -117,9 +117,10 @@ pub async fn infer(
             let bad_image = |row, error| -> RowIn<Infallible> {
                 RowIn::Abort(BadRow::new(&input.name, &req.model, row, error).into())
             };
-            let images = futures_util::stream::iter(images).map(|i| Ok(Encoded::Image(i)));
+            let images = futures_util::stream::iter(images).map(Encoded::Image);
+            let never = std::future::pending();
             let rows = pipeline
-                .classify(&state.pool, req.options, want, images, bad_image)
+                .classify(&state.pool, req.options, want, images, never, bad_image)
                 .await?;
             classifier_outputs(&wanted, &every_row(rows), pipeline.labels.as_deref())?
         }
@@ -262,7 +263,7 @@ async fn decode_all(
     model: &str,
 ) -> Result<Vec<Row>, GatewayError> {
     let n = images.len();
-    let images = futures_util::stream::iter(images).map(|i| Ok(Encoded::Image(i)));
+    let images = futures_util::stream::iter(images).map(Encoded::Image);
     let mut decoding = std::pin::pin!(pipeline::decode(&state.pool, settings, images).enumerate());
     let mut rows = Vec::with_capacity(n);
     while let Some((i, decoded)) = decoding.next().await {

@@ -104,7 +104,7 @@ impl Queue {
             let mut i = 0;
             while i < self.levels[level].len() {
                 let p = &self.levels[level][i];
-                let expired = p.next_row == 0 && p.deadline.is_some_and(|d| now >= d);
+                let expired = !p.job.request.started() && p.deadline.is_some_and(|d| now >= d);
                 if !expired {
                     i += 1;
                     continue;
@@ -135,7 +135,7 @@ impl Queue {
     /// The earliest deadline of a job that can still time out.
     fn next_deadline(&self) -> Option<Instant> {
         self.jobs()
-            .filter(|p| p.next_row == 0)
+            .filter(|p| !p.job.request.started())
             .filter_map(|p| p.deadline)
             .min()
     }
@@ -158,8 +158,10 @@ impl Queue {
     }
 
     /// Takes up to `n` rows, highest priority first. Only jobs with the same row format
-    /// (normalization) share a batch, since the whole batch is normalized at once on the device. Calls
-    /// `started(job)` for each job whose first rows leave the queue.
+    /// (normalization) share a batch, since the whole batch is normalized at once on the device.
+    /// Marks each request whose first rows leave the queue started (it can no longer time
+    /// out) and calls `started(job)` with the job they came from (its wait is the request's
+    /// queue time).
     fn cut(&mut self, n: usize, mut started: impl FnMut(&JobState)) -> Batch {
         let mut parts: Vec<(Arc<JobState>, std::ops::Range<usize>)> = Vec::new();
         let mut left = n;
@@ -173,7 +175,7 @@ impl Queue {
                     break;
                 }
             }
-            if front.next_row == 0 {
+            if front.job.request.start() {
                 started(&front.job);
             }
             let take = left.min(front.rows_left());
@@ -248,9 +250,7 @@ pub(super) async fn run_batcher(
                 }
                 Decision::Cut(n) => {
                     let batch = queue.cut(n, |job| {
-                        if job.first_of_request {
-                            queue_us.inc_by(micros(now - job.enqueued_at));
-                        }
+                        queue_us.inc_by(micros(now - job.enqueued_at));
                     });
                     let slot = idle.pop_front().expect("loop runs only with an idle slot");
                     if let Err(batch) = slot.batches.send(batch) {
@@ -471,5 +471,22 @@ mod tests {
         q.expire(t0 + Duration::from_secs(1), &p, "m");
         assert_eq!(q.rows, 3);
         assert!(ra.try_recv().is_err());
+    }
+
+    #[test]
+    fn a_later_chunk_of_a_started_request_never_times_out() {
+        let p = policy(1, TimeoutAction::Reject);
+        let mut q = Queue::new(1);
+        let (a, _ra) = job_at(2, 0.0, 0, Some(Duration::from_millis(10)));
+        let (mut b, mut rb) = job_at(2, 0.0, 0, Some(Duration::from_millis(10)));
+        // Two chunks of one request.
+        Arc::get_mut(&mut b.job).unwrap().request = a.job.request.clone();
+        let t0 = a.job.enqueued_at;
+        q.push(a);
+        q.push(b);
+        q.cut(2, |_| {});
+        q.expire(t0 + Duration::from_secs(1), &p, "m");
+        assert_eq!(q.rows, 2);
+        assert!(rb.try_recv().is_err(), "its request already started");
     }
 }

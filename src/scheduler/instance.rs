@@ -160,7 +160,15 @@ fn record_execution(ctx: &InstanceContext, batch: &Batch, t: &ComputeTimings) {
     let m = &ctx.metrics;
     let mv = [ctx.model.as_str(), ctx.version.as_str()];
     let rows = batch.rows();
-    let requests = batch.parts.len() as u64;
+    // Jobs are chunks of requests: count each request once.
+    let mut requests: Vec<*const super::RequestMark> = Vec::new();
+    for (job, _) in &batch.parts {
+        let request = Arc::as_ptr(&job.request);
+        if !requests.contains(&request) {
+            requests.push(request);
+        }
+    }
+    let requests = requests.len() as u64;
     m.exec_count.with_label_values(&mv).inc();
     m.inference_count.with_label_values(&mv).inc_by(rows as u64);
     m.batch_size

@@ -98,14 +98,34 @@ struct Collect {
     reply: Option<oneshot::Sender<JobResult>>,
 }
 
+/// What the jobs (chunks) of one request share in the batcher.
+#[derive(Debug, Default)]
+pub(crate) struct RequestMark {
+    /// Set when the first rows of any of its jobs leave the queue: from then on the request
+    /// is executing and cannot time out (Triton's queue timeout is per request).
+    started: std::sync::atomic::AtomicBool,
+}
+
+impl RequestMark {
+    /// Marks the request started; true the first time only (its queue time ends here).
+    fn start(&self) -> bool {
+        !self
+            .started
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn started(&self) -> bool {
+        self.started.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 /// A job in the batcher: its rows are read by the instances that run its ranges, and
 /// every range writes its outputs back here; the last one answers.
 pub(crate) struct JobState {
     job: InferJob,
     enqueued_at: Instant,
-    /// The first job of its request: its wait is the request's queue duration (Triton
-    /// counts queue time per request, until the request starts executing).
-    first_of_request: bool,
+    /// Shared by the jobs of one request.
+    request: Arc<RequestMark>,
     /// Where each row's output is cached as soon as its batch finishes (so a repeat in a
     /// later chunk of the same upload can already hit).
     cache: Option<(Arc<ResponseCache>, Vec<cache::CacheKey>)>,
@@ -123,7 +143,7 @@ impl JobState {
             }),
             job,
             enqueued_at: Instant::now(),
-            first_of_request: true,
+            request: Default::default(),
             cache: None,
         }
     }

@@ -5,22 +5,26 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures_util::{Stream, StreamExt};
+use futures_util::{FutureExt, Stream, StreamExt};
 use tokio::sync::oneshot;
 
 use super::cache::{CacheKey, ResponseCache};
 use super::handle::{Inner, QueuePlace};
 use super::SchedulerError;
-use super::{Admitted, InferJob, JobResult, JobState, ModelHandle, RowFormat, RowOutput};
+use super::{
+    Admitted, InferJob, JobResult, JobState, ModelHandle, RequestMark, RowFormat, RowOutput,
+};
 use crate::domain::RequestOptions;
 use crate::engine::OutputRequest;
-use crate::error::GatewayError;
+use crate::error::{ErrorKind, GatewayError};
 use crate::preprocess::Row;
 use crate::telemetry::{micros, reason};
 
-/// Rows submitted per job while a request's rows still arrive: small enough that the
-/// first rows start early, large enough that the per-job cost is nothing. The batcher
-/// still merges jobs into each instance's own batch size.
+/// The fewest rows a job is submitted with while a request's rows still arrive (unless they
+/// end): small enough that the first rows start early, large enough that the per-job cost
+/// is nothing. A job takes every row that is ready when it is submitted, so rows that are
+/// all there at once (a tensor request) go in one job. The batcher still merges jobs into
+/// each instance's own batch size.
 const CHUNK_ROWS: usize = 8;
 
 /// What a request asks of the model, besides its rows.
@@ -85,6 +89,8 @@ impl ModelHandle {
         let outcome = match &result {
             Ok(_) => Outcome::Completed,
             Err(RunError::Scheduler(e)) => outcome_of_error(e),
+            // The caller's rows ended because its client left (a cut-off upload).
+            Err(RunError::Aborted(e)) if e.kind() == ErrorKind::Cancelled => Outcome::Cancelled,
             Err(RunError::Aborted(_)) => Outcome::Aborted,
         };
         admission.finish(outcome);
@@ -109,7 +115,7 @@ impl ModelHandle {
             level,
             timeout: inner.policy.queues[level].timeout_for(options.timeout),
             started: Instant::now(),
-            submitted_any: false,
+            request: Default::default(),
             finished: false,
         })
     }
@@ -179,8 +185,8 @@ struct Admission {
     level: usize,
     timeout: Option<Duration>,
     started: Instant,
-    /// Set once the request's first job is queued.
-    submitted_any: bool,
+    /// Shared by the request's jobs in the batcher.
+    request: Arc<RequestMark>,
     /// Set by `finish`, so `Drop` knows the outcome was counted.
     finished: bool,
 }
@@ -197,18 +203,26 @@ impl Admission {
         let mut pending = Vec::new();
         let mut chunk = Vec::with_capacity(CHUNK_ROWS);
         let mut rows = std::pin::pin!(rows);
-        while let Some(row) = rows.next().await {
-            match row {
-                RowIn::Row(row) => {
+        loop {
+            let next = match rows.next().now_or_never() {
+                Some(next) => next,
+                None => {
+                    // Nothing more is ready: a full enough chunk goes now, not after the wait.
+                    if chunk.len() >= CHUNK_ROWS {
+                        let rows = std::mem::replace(&mut chunk, Vec::with_capacity(CHUNK_ROWS));
+                        pending.push(self.submit(rows, spec).await?);
+                    }
+                    rows.next().await
+                }
+            };
+            match next {
+                None => break,
+                Some(RowIn::Row(row)) => {
                     chunk.push(row);
                     slots.push(Ok(()));
                 }
-                RowIn::Failed(e) => slots.push(Err(e)),
-                RowIn::Abort(e) => return Err(RunError::Aborted(e)),
-            }
-            if chunk.len() == CHUNK_ROWS {
-                let rows = std::mem::replace(&mut chunk, Vec::with_capacity(CHUNK_ROWS));
-                pending.push(self.submit(rows, spec).await?);
+                Some(RowIn::Failed(e)) => slots.push(Err(e)),
+                Some(RowIn::Abort(e)) => return Err(RunError::Aborted(e)),
             }
         }
         if !chunk.is_empty() {
@@ -268,7 +282,7 @@ impl Admission {
             .expect("rows are submitted only before the request is complete");
         let mut state = JobState::new(job, reply);
         state.cache = inner.cache.clone().map(|cache| (cache, miss_keys));
-        state.first_of_request = !std::mem::replace(&mut self.submitted_any, true);
+        state.request = self.request.clone();
         let admitted = Admitted {
             job: Arc::new(state),
             place,
