@@ -6,11 +6,12 @@ mod fake;
 mod torch;
 
 pub use fake::FakeEngine;
-pub use torch::{cuda_device_count, TorchEngine};
+pub use torch::{cuda_device_count, normalize_on_cpu, TorchEngine};
 
 use std::time::Duration;
 
 use crate::domain::{ClassScore, Normalize};
+use crate::error::{ErrorKind, HasKind};
 
 /// The rows of one batch, contiguous.
 #[derive(Debug, Clone, Copy)]
@@ -93,6 +94,12 @@ pub enum EngineError {
     Load { path: String, message: String },
     #[error("model execution failed: {0}")]
     Execution(String),
+}
+
+impl HasKind for EngineError {
+    fn kind(&self) -> ErrorKind {
+        ErrorKind::Internal
+    }
 }
 
 pub trait Engine: Send {

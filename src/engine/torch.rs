@@ -156,15 +156,14 @@ impl TorchEngine {
                 // The permuted view keeps the NHWC layout ("channels-last" strides), which
                 // the exported model is laid out for; no copy back to NCHW.
                 let shape = [rows, height as i64, width as i64, 3];
-                let x = self
-                    .stage(data)?
-                    .f_view(shape)?
-                    .f_to_device_(self.device, Kind::Uint8, cuda, false)?
-                    .f_permute([0, 3, 1, 2])?
-                    .f_to_kind(Kind::Float)?
-                    .f_div_scalar(255.0)?;
+                let x = self.stage(data)?.f_view(shape)?.f_to_device_(
+                    self.device,
+                    Kind::Uint8,
+                    cuda,
+                    false,
+                )?;
                 let (mean, std) = self.normalize(normalize)?;
-                x.f_sub(mean)?.f_div(std)
+                normalized(&x, mean, std)
             }
             BatchInput::Tensors {
                 data,
@@ -246,6 +245,35 @@ impl TorchEngine {
     }
 }
 
+/// u8 NHWC images to f32 NCHW `(x / 255 - mean) / std`, in the order torchvision does it,
+/// on the device `x` is on (`mean`, `std`: `[1, 3, 1, 1]` there). The crate's one
+/// normalization: the engine runs it on its device, `normalize_on_cpu` for the preprocessor
+/// model's own output.
+fn normalized(x: &Tensor, mean: &Tensor, std: &Tensor) -> Result<Tensor, tch::TchError> {
+    x.f_permute([0, 3, 1, 2])?
+        .f_to_kind(Kind::Float)?
+        .f_div_scalar(255.0)?
+        .f_sub(mean)?
+        .f_div(std)
+}
+
+/// `rows` u8 HWC images of `height` x `width`, normalized on the CPU: f32 NCHW values.
+pub fn normalize_on_cpu(
+    data: &[u8],
+    height: usize,
+    width: usize,
+    normalize: Normalize,
+) -> Result<Vec<f32>, EngineError> {
+    let run = || -> Result<Vec<f32>, tch::TchError> {
+        let rows = (data.len() / (height * width * 3)) as i64;
+        let x = Tensor::f_from_slice(data)?.f_view([rows, height as i64, width as i64, 3])?;
+        let channel = |v: &[f32; 3]| Tensor::f_from_slice(v)?.f_view([1, 3, 1, 1]);
+        let y = normalized(&x, &channel(&normalize.mean)?, &channel(&normalize.std)?)?;
+        Vec::<f32>::try_from(&y.f_contiguous()?.f_flatten(0, -1)?)
+    };
+    run().map_err(exec)
+}
+
 impl Engine for TorchEngine {
     fn run(
         &mut self,
@@ -264,5 +292,31 @@ impl Engine for TorchEngine {
             Device::Cuda(i) => format!("cuda:{i}"),
             _ => "cpu".to_string(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_normalization_is_nchw_of_x_over_255_minus_mean_over_std() {
+        // One 1x2 image: pixels (0, 128, 255) and (51, 102, 204).
+        let data = [0u8, 128, 255, 51, 102, 204];
+        let n = Normalize {
+            mean: [0.5, 0.4, 0.3],
+            std: [0.2, 0.25, 0.5],
+        };
+        let out = normalize_on_cpu(&data, 1, 2, n).unwrap();
+        let f = |v: u8, c: usize| (v as f32 / 255.0 - n.mean[c]) / n.std[c];
+        let want = [
+            f(0, 0),
+            f(51, 0),
+            f(128, 1),
+            f(102, 1),
+            f(255, 2),
+            f(204, 2),
+        ];
+        assert_eq!(out, want);
     }
 }

@@ -11,7 +11,6 @@ use std::convert::Infallible;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
-use ndarray::Axis;
 
 use super::tensor::{encode_bytes_elements, split_bytes_elements};
 use super::{DataType, InputTensor};
@@ -390,17 +389,11 @@ fn preprocessed_outputs(
             "model '{model}' has no class scores: classification is not available"
         )));
     }
-    let mut data = Vec::with_capacity(rows.len() * 3 * h * w * 4);
-    for row in rows {
-        let hwc = ndarray::ArrayView3::from_shape((h, w, 3), &row[..])
-            .map_err(|e| GatewayError::new(ErrorKind::Internal, e.to_string()))?;
-        for c in 0..3 {
-            let (mean, std) = (normalize.mean[c], normalize.std[c]);
-            for v in hwc.index_axis(Axis(2), c).iter() {
-                data.extend_from_slice(&((*v as f32 / 255.0 - mean) / std).to_le_bytes());
-            }
-        }
-    }
+    let pixels: Vec<u8> = rows.iter().flat_map(|row| row.iter().copied()).collect();
+    let data: Vec<u8> = crate::engine::normalize_on_cpu(&pixels, h, w, *normalize)?
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
     Ok(wanted
         .iter()
         .map(|o| OutputTensor {
