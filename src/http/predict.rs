@@ -105,10 +105,6 @@ pub struct PredictResponse {
     pub timing: Timing,
 }
 
-fn invalid(message: impl Into<String>) -> GatewayError {
-    GatewayError::new(ErrorKind::InvalidInput, message)
-}
-
 fn too_large(message: impl Into<String>) -> GatewayError {
     GatewayError::new(ErrorKind::PayloadTooLarge, message)
 }
@@ -120,7 +116,7 @@ fn multipart_error(e: actix_multipart::MultipartError) -> GatewayError {
         actix_multipart::MultipartError::Payload(
             PayloadError::Incomplete(_) | PayloadError::Io(_),
         ) => client::left(),
-        e => invalid(format!("malformed multipart body: {e}")),
+        e => GatewayError::invalid(format!("malformed multipart body: {e}")),
     }
 }
 
@@ -182,7 +178,7 @@ async fn classify(
     let pipeline = state.image_pipeline(model_name)?;
     let top_k = query.top_k.unwrap_or(DEFAULT_TOP_K);
     if top_k == 0 || top_k > pipeline.num_classes {
-        return Err(invalid(format!(
+        return Err(GatewayError::invalid(format!(
             "top_k must be between 1 and {} (the model's classes), got {top_k}",
             pipeline.num_classes
         )));
@@ -291,7 +287,7 @@ async fn read_upload(
     let mut names = Vec::new();
     let result = read_parts(req, payload, state, &files, &mut names).await;
     let end = match result {
-        Ok(()) if names.is_empty() => Err(invalid(
+        Ok(()) if names.is_empty() => Err(GatewayError::invalid(
             "no files: send one or more multipart parts named 'files' (or 'file')",
         )),
         other => other,

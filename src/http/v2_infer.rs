@@ -23,10 +23,6 @@ use crate::state::{AppState, ServedModel};
 
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
 
-fn invalid(message: impl Into<String>) -> GatewayError {
-    GatewayError::new(ErrorKind::InvalidInput, message)
-}
-
 /// A KServe v2 inference request (the JSON header of the binary form).
 #[derive(Deserialize, utoipa::ToSchema)]
 pub struct JsonRequest {
@@ -142,7 +138,9 @@ async fn run(
             v.to_str()
                 .ok()
                 .and_then(|v| v.trim().parse::<usize>().ok())
-                .ok_or_else(|| invalid(format!("{HEADER_LENGTH} must be a byte count")))?,
+                .ok_or_else(|| {
+                    GatewayError::invalid(format!("{HEADER_LENGTH} must be a byte count"))
+                })?,
         ),
     };
     let (request, binary_outputs) = match header_len {
@@ -160,7 +158,8 @@ async fn run(
 async fn read_body(mut payload: web::Payload, limit: u64) -> Result<Bytes, GatewayError> {
     let mut body = BytesMut::new();
     while let Some(chunk) = payload.next().await {
-        let chunk = chunk.map_err(|e| invalid(format!("cannot read the request body: {e}")))?;
+        let chunk = chunk
+            .map_err(|e| GatewayError::invalid(format!("cannot read the request body: {e}")))?;
         if (body.len() + chunk.len()) as u64 > limit {
             return Err(GatewayError::new(
                 ErrorKind::PayloadTooLarge,
@@ -189,29 +188,29 @@ fn parse_request(
 ) -> Result<(Parsed, bool), GatewayError> {
     let header_len = header_len.unwrap_or(body.len());
     if header_len > body.len() {
-        return Err(invalid(format!(
+        return Err(GatewayError::invalid(format!(
             "{HEADER_LENGTH} is {header_len} but the body has {} bytes",
             body.len()
         )));
     }
     let json: JsonRequest = serde_json::from_slice(&body[..header_len])
-        .map_err(|e| invalid(format!("malformed inference request JSON: {e}")))?;
+        .map_err(|e| GatewayError::invalid(format!("malformed inference request JSON: {e}")))?;
     let mut binary = body.slice(header_len..);
     let mut inputs = Vec::with_capacity(json.inputs.len());
     for input in json.inputs {
         let datatype = DataType::parse(&input.datatype)
-            .map_err(|e| invalid(format!("input '{}': {e}", input.name)))?;
+            .map_err(|e| GatewayError::invalid(format!("input '{}': {e}", input.name)))?;
         let size = input.parameters.get("binary_data_size");
         let data = match (size, &input.data) {
             (Some(size), None) => {
                 let size = size.as_u64().ok_or_else(|| {
-                    invalid(format!(
+                    GatewayError::invalid(format!(
                         "input '{}': binary_data_size must be a byte count",
                         input.name
                     ))
                 })? as usize;
                 if size > binary.len() {
-                    return Err(invalid(format!(
+                    return Err(GatewayError::invalid(format!(
                         "input '{}': binary_data_size {size} is more than the {} bytes left \
                          after the JSON header",
                         input.name,
@@ -221,16 +220,16 @@ fn parse_request(
                 binary.split_to(size)
             }
             (None, Some(data)) => json_to_raw(data, datatype)
-                .map_err(|e| invalid(format!("input '{}': {e}", input.name)))?
+                .map_err(|e| GatewayError::invalid(format!("input '{}': {e}", input.name)))?
                 .into(),
             (Some(_), Some(_)) => {
-                return Err(invalid(format!(
+                return Err(GatewayError::invalid(format!(
                     "input '{}' has both 'data' and binary_data_size",
                     input.name
                 )))
             }
             (None, None) => {
-                return Err(invalid(format!(
+                return Err(GatewayError::invalid(format!(
                     "input '{}' has no 'data' and no binary_data_size",
                     input.name
                 )))
@@ -244,7 +243,7 @@ fn parse_request(
         });
     }
     if !binary.is_empty() {
-        return Err(invalid(format!(
+        return Err(GatewayError::invalid(format!(
             "{} bytes after the JSON header are not claimed by any input's binary_data_size",
             binary.len()
         )));
@@ -257,7 +256,7 @@ fn parse_request(
         let classification = match o.parameters.get("classification") {
             None => None,
             Some(v) => Some(v.as_u64().ok_or_else(|| {
-                invalid(format!(
+                GatewayError::invalid(format!(
                     "output '{}': classification must be a class count",
                     o.name
                 ))
@@ -291,8 +290,9 @@ fn bool_param(params: &Map<String, Value>, name: &str) -> Result<Option<bool>, G
     params
         .get(name)
         .map(|v| {
-            v.as_bool()
-                .ok_or_else(|| invalid(format!("parameter '{name}' must be true or false")))
+            v.as_bool().ok_or_else(|| {
+                GatewayError::invalid(format!("parameter '{name}' must be true or false"))
+            })
         })
         .transpose()
 }
@@ -304,7 +304,9 @@ fn request_options(params: &Map<String, Value>) -> Result<RequestOptions, Gatewa
             .get(name)
             .map(|v| {
                 v.as_u64().ok_or_else(|| {
-                    invalid(format!("parameter '{name}' must be a non-negative integer"))
+                    GatewayError::invalid(format!(
+                        "parameter '{name}' must be a non-negative integer"
+                    ))
                 })
             })
             .transpose()
@@ -327,7 +329,7 @@ fn raw_request(
         ModelKind::Classifier(spec) => {
             let row = 3 * spec.height * spec.width * 4;
             if body.is_empty() || !body.len().is_multiple_of(row) {
-                return Err(invalid(format!(
+                return Err(GatewayError::invalid(format!(
                     "raw input of model '{model}' must be FP32 rows of 3x{}x{} ({row} bytes each); got {} bytes",
                     spec.height,
                     spec.width,

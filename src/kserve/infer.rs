@@ -59,10 +59,6 @@ pub struct InferResponse {
     pub outputs: Vec<OutputTensor>,
 }
 
-fn invalid(message: String) -> GatewayError {
-    GatewayError::invalid(message)
-}
-
 /// An image row that cannot be used: the protocol has no per-row errors, so it fails the
 /// request, naming the row.
 #[derive(Debug, thiserror::Error)]
@@ -128,13 +124,13 @@ pub async fn infer(
                 unreachable!("a served classifier is a classifier in the repository")
             };
             let rows = tensor_rows(input, &req.model, spec.height, spec.width)?;
-            let spec_ = RequestSpec {
+            let request = RequestSpec {
                 options: req.options,
                 format: RowFormat::TensorF32,
                 want,
             };
             let rows = futures_util::stream::iter(rows).map(RowIn::Row);
-            let rows = handle.run(spec_, rows).await?;
+            let rows = handle.run(request, rows).await?;
             classifier_outputs(&wanted, &every_row(rows), spec.labels.as_deref())?
         }
         ServedModel::Preprocessor {
@@ -170,7 +166,7 @@ fn single_input<'a>(
     name: &str,
 ) -> Result<&'a InputTensor, GatewayError> {
     if let Some(other) = req.inputs.iter().find(|i| i.name != name) {
-        return Err(invalid(format!(
+        return Err(GatewayError::invalid(format!(
             "unexpected inference input '{}' for model '{}': its only input is '{name}'",
             other.name, model.name
         )));
@@ -178,21 +174,21 @@ fn single_input<'a>(
     let input = match req.inputs.as_slice() {
         [one] => one,
         [] => {
-            return Err(invalid(format!(
+            return Err(GatewayError::invalid(format!(
                 "missing input '{name}' for model '{}'",
                 model.name
             )))
         }
         _ => {
-            return Err(invalid(format!(
+            return Err(GatewayError::invalid(format!(
                 "input '{name}' given more than once for model '{}'",
                 model.name
             )))
         }
     };
-    input
-        .check_size()
-        .map_err(|e| invalid(format!("input '{name}' of model '{}' {e}", model.name)))?;
+    input.check_size().map_err(|e| {
+        GatewayError::invalid(format!("input '{name}' of model '{}' {e}", model.name))
+    })?;
     Ok(input)
 }
 
@@ -210,13 +206,13 @@ fn requested_outputs(
     }
     for o in &req.outputs {
         if o.name != name {
-            return Err(invalid(format!(
+            return Err(GatewayError::invalid(format!(
                 "unexpected inference output '{}' for model '{}': its only output is '{name}'",
                 o.name, model.name
             )));
         }
         if o.classification == Some(0) {
-            return Err(invalid(format!(
+            return Err(GatewayError::invalid(format!(
                 "output '{name}': classification must ask for at least 1 class"
             )));
         }
@@ -229,7 +225,7 @@ fn requested_outputs(
 /// the elements of BYTES `[N]` / `[N, 1]`.
 fn encoded_images(input: &InputTensor, model: &str) -> Result<Vec<Bytes>, GatewayError> {
     let shape_err = || {
-        invalid(format!(
+        GatewayError::invalid(format!(
             "input '{}' of model '{model}' must be UINT8 [N, L] (encoded images, zero-padded \
              to one length) or BYTES [N]; got {} {:?}",
             input.name, input.datatype, input.shape
@@ -243,7 +239,7 @@ fn encoded_images(input: &InputTensor, model: &str) -> Result<Vec<Bytes>, Gatewa
                 .collect()
         }
         (DataType::Bytes, &[n] | &[n, 1]) if n > 0 => split_bytes_elements(&input.data)
-            .map_err(|e| invalid(format!("input '{}': {e}", input.name)))?
+            .map_err(|e| GatewayError::invalid(format!("input '{}': {e}", input.name)))?
             .into_iter()
             .map(|e| input.data.slice_ref(e))
             .collect(),
@@ -308,7 +304,7 @@ fn tensor_rows(
     match (input.datatype, input.shape.as_slice()) {
         (DataType::Fp32, [n, rest @ ..]) if *n > 0 && rest == expected => {}
         _ => {
-            return Err(invalid(format!(
+            return Err(GatewayError::invalid(format!(
                 "input '{}' of model '{model}' must be FP32 [N, 3, {height}, {width}]; got {} {:?}",
                 input.name, input.datatype, input.shape
             )))
@@ -385,7 +381,7 @@ fn preprocessed_outputs(
 ) -> Result<Vec<OutputTensor>, GatewayError> {
     let (h, w) = (settings.height as usize, settings.width as usize);
     if wanted.iter().any(|o| o.classification.is_some()) {
-        return Err(invalid(format!(
+        return Err(GatewayError::invalid(format!(
             "model '{model}' has no class scores: classification is not available"
         )));
     }

@@ -238,12 +238,10 @@ impl Admission {
         slots
             .into_iter()
             .map(|slot| match slot {
-                Ok(()) => outputs.next().map(Ok).ok_or_else(|| {
-                    RunError::Scheduler(SchedulerError::Failed {
-                        model: self.handle.inner.name.to_string(),
-                        message: "fewer outputs than rows".into(),
-                    })
-                }),
+                Ok(()) => outputs
+                    .next()
+                    .map(Ok)
+                    .ok_or_else(|| missing_outputs(&self.handle.inner)),
                 Err(e) => Ok(Err(e)),
             })
             .collect()
@@ -333,15 +331,20 @@ impl PendingRows {
         found
             .into_iter()
             .map(|found| {
-                found.or_else(|| computed.next()).ok_or_else(|| {
-                    RunError::Scheduler(SchedulerError::Failed {
-                        model: model(),
-                        message: "fewer outputs than rows".into(),
-                    })
-                })
+                found
+                    .or_else(|| computed.next())
+                    .ok_or_else(|| missing_outputs(inner))
             })
             .collect()
     }
+}
+
+/// An engine that answered fewer rows than it was given.
+fn missing_outputs(inner: &Inner) -> RunError {
+    RunError::Scheduler(SchedulerError::Failed {
+        model: inner.name.to_string(),
+        message: "fewer outputs than rows".into(),
+    })
 }
 
 /// Looks every row of `job` up in the cache and counts hits and misses: each row's cached

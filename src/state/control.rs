@@ -57,18 +57,17 @@ pub fn load_parameters(
         match (name.as_str(), value) {
             ("config", ControlParam::Text(json)) => config = Some(json),
             ("config", _) => {
-                return Err(invalid(
-                    "load parameter 'config' must be a string holding the model config as JSON"
-                        .into(),
+                return Err(GatewayError::invalid(
+                    "load parameter 'config' must be a string holding the model config as JSON",
                 ))
             }
             (n, _) if n.starts_with("file:") => {
-                return Err(invalid(format!(
+                return Err(GatewayError::invalid(format!(
                     "load parameter '{n}': override files are not supported; put the files in                      the model's directory of the repository, then load it"
                 )))
             }
             (n, _) => {
-                return Err(invalid(format!(
+                return Err(GatewayError::invalid(format!(
                     "load parameter '{n}' is not supported (known: 'config')"
                 )))
             }
@@ -86,22 +85,18 @@ pub fn unload_parameters(
         match (name.as_str(), value) {
             ("unload_dependents", ControlParam::Bool(b)) => dependents = b,
             ("unload_dependents", _) => {
-                return Err(invalid(
-                    "unload parameter 'unload_dependents' must be a boolean".into(),
+                return Err(GatewayError::invalid(
+                    "unload parameter 'unload_dependents' must be a boolean",
                 ))
             }
             (n, _) => {
-                return Err(invalid(format!(
+                return Err(GatewayError::invalid(format!(
                     "unload parameter '{n}' is not supported (known: 'unload_dependents')"
                 )))
             }
         }
     }
     Ok(dependents)
-}
-
-fn invalid(message: String) -> GatewayError {
-    GatewayError::new(ErrorKind::InvalidInput, message)
 }
 
 impl AppState {
@@ -166,7 +161,7 @@ impl AppState {
             ));
         }
         if self.control.mode != ControlMode::Explicit {
-            return Err(invalid(format!(
+            return Err(GatewayError::invalid(format!(
                 "explicit model load and unload need --model-control-mode explicit (this \
                  server runs in mode '{}')",
                 mode_name(self.control.mode)
@@ -187,13 +182,13 @@ impl AppState {
             if let Some(json) = config {
                 let dir = root.join(&model);
                 if !dir.is_dir() {
-                    return Err(invalid(format!(
+                    return Err(GatewayError::invalid(format!(
                         "no model directory '{model}' in the repository"
                     )));
                 }
                 let versions = repository::parse_model_config_json(&model, &json)
                     .and_then(|c| repository::load_model_with(&dir, &model, c))
-                    .map_err(|e| invalid(e.to_string()))?;
+                    .map_err(|e| GatewayError::invalid(e.to_string()))?;
                 scan.models.retain(|m| m.name.as_str() != model);
                 scan.failures.retain(|f| f.model != model);
                 scan.models.extend(versions);
@@ -209,7 +204,7 @@ impl AppState {
     async fn load_scanned(&self, scan: &ScanResult, name: &str) -> Result<(), GatewayError> {
         let _guard = self.control_lock.lock().await;
         let current = self.models();
-        let mut found = with_steps(scan, name).map_err(invalid)?;
+        let mut found = with_steps(scan, name).map_err(GatewayError::invalid)?;
         // Steps already serving stay as they are (failed ones load again); the named
         // model itself reloads.
         found.retain(|m| {
@@ -245,7 +240,7 @@ impl AppState {
             }
         }
         if !failures.is_empty() {
-            return Err(invalid(format!(
+            return Err(GatewayError::invalid(format!(
                 "failed to load {}; the previous versions keep serving",
                 failures.join("; ")
             )));
