@@ -91,6 +91,19 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_MAX_BODY_BYTES", default_value_t = 4 << 30)]
     pub max_body_bytes: u64,
 
+    /// Seconds a request body (`/predict`, `/v2/.../infer`) may keep the server waiting:
+    /// a budget that runs down only while the server waits for the client's bytes and that
+    /// `--body-min-rate` refills. A body that stops arriving is answered 408
+    /// `request_timeout` and holds no queue place while it trickles.
+    #[arg(long, env = "VISIONGATE_BODY_TIMEOUT_SECS", default_value_t = 30)]
+    pub body_timeout_secs: u64,
+
+    /// Bytes per second that keep a request body's time budget full: each such amount
+    /// received gives back one second (as Apache's `mod_reqtimeout` `MinRate`). Uploads at
+    /// least this fast never time out.
+    #[arg(long, env = "VISIONGATE_BODY_MIN_RATE", default_value_t = 1024)]
+    pub body_min_rate: u64,
+
     /// Largest image in pixels (width × height, read from the header before any pixel
     /// buffer exists). Guards memory against decompression bombs.
     #[arg(
@@ -134,6 +147,15 @@ pub struct Config {
     /// Lower is faster on large photos; higher is closer to a full-size decode.
     #[arg(long, env = "VISIONGATE_DCT_SCALING_MIN_SIDE")]
     pub dct_scaling_min_side: Option<u32>,
+
+    /// Seconds a stopping server (SIGTERM or SIGINT) gives the requests it has already
+    /// taken (Triton's `--exit-timeout-secs`). From the signal on, readiness answers 503
+    /// and new inference requests get 503 `shutting_down`; once the requests under way are
+    /// answered, or this time is up, the listeners close and open gRPC streams end. The
+    /// process exits at most a few seconds later; a second signal exits at once. Keep the
+    /// orchestrator's grace period longer (docker compose: 90 s, Kubernetes: 120 s here).
+    #[arg(long, env = "VISIONGATE_EXIT_TIMEOUT_SECS", default_value_t = 60)]
+    pub exit_timeout_secs: u64,
 }
 
 /// `--tf32`.
@@ -150,8 +172,8 @@ pub struct Settings {
     pub config: Config,
     pub decode_threads: usize,
     pub http_workers: usize,
-    /// How long a stopping server lets in-flight requests finish.
-    pub shutdown_grace: Duration,
+    /// How long a stopping server lets the requests under way finish.
+    pub exit_timeout: Duration,
     pub control: ControlSettings,
 }
 
@@ -163,10 +185,15 @@ impl Config {
                 self.model_repository.display()
             ));
         }
-        if self.max_files == 0 || self.intra_op_threads == 0 || self.max_queue_size == 0 {
-            return Err(
-                "--max-files, --intra-op-threads and --max-queue-size must be at least 1".into(),
-            );
+        if self.max_files == 0
+            || self.intra_op_threads == 0
+            || self.max_queue_size == 0
+            || self.body_timeout_secs == 0
+            || self.body_min_rate == 0
+        {
+            return Err("--max-files, --intra-op-threads, --max-queue-size, \
+                 --body-timeout-secs and --body-min-rate must be at least 1"
+                .into());
         }
         let api_key =
             match &self.repository_control_key {
@@ -203,7 +230,7 @@ impl Config {
             } else {
                 self.http_workers
             },
-            shutdown_grace: Duration::from_secs(30),
+            exit_timeout: Duration::from_secs(self.exit_timeout_secs),
             control,
             config: self,
         })

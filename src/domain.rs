@@ -14,6 +14,13 @@ impl ModelName {
     }
 }
 
+/// Lets maps keyed by name be read with a `&str`.
+impl std::borrow::Borrow<str> for ModelName {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
 impl fmt::Display for ModelName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)

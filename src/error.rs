@@ -15,10 +15,14 @@ pub enum ErrorKind {
     InvalidInput,
     UnsupportedMediaType,
     PayloadTooLarge,
+    /// The request body stopped arriving.
+    RequestTimeout,
     NotFound,
     Forbidden,
     NotReady,
     Overloaded,
+    /// The server is stopping: it finishes the requests it has and takes no new work.
+    ShuttingDown,
     /// The client went away before its answer (nobody reads this answer; it is counted).
     Cancelled,
     DeadlineExceeded,
@@ -35,14 +39,16 @@ const CLIENT_CLOSED_REQUEST: u16 = 499;
 
 impl ErrorKind {
     /// Every kind, for tables and tests.
-    pub const ALL: [ErrorKind; 10] = [
+    pub const ALL: [ErrorKind; 12] = [
         ErrorKind::InvalidInput,
         ErrorKind::UnsupportedMediaType,
         ErrorKind::PayloadTooLarge,
+        ErrorKind::RequestTimeout,
         ErrorKind::NotFound,
         ErrorKind::Forbidden,
         ErrorKind::NotReady,
         ErrorKind::Overloaded,
+        ErrorKind::ShuttingDown,
         ErrorKind::Cancelled,
         ErrorKind::DeadlineExceeded,
         ErrorKind::Internal,
@@ -54,10 +60,12 @@ impl ErrorKind {
             ErrorKind::InvalidInput => "invalid_input",
             ErrorKind::UnsupportedMediaType => "unsupported_media_type",
             ErrorKind::PayloadTooLarge => "payload_too_large",
+            ErrorKind::RequestTimeout => "request_timeout",
             ErrorKind::NotFound => "not_found",
             ErrorKind::Forbidden => "forbidden",
             ErrorKind::NotReady => "not_ready",
             ErrorKind::Overloaded => "overloaded",
+            ErrorKind::ShuttingDown => "shutting_down",
             ErrorKind::Cancelled => "cancelled",
             ErrorKind::DeadlineExceeded => "deadline_exceeded",
             ErrorKind::Internal => "internal",
@@ -72,9 +80,13 @@ impl ErrorKind {
             ErrorKind::PayloadTooLarge => tonic::Code::ResourceExhausted,
             ErrorKind::NotFound => tonic::Code::NotFound,
             ErrorKind::Forbidden => tonic::Code::PermissionDenied,
-            ErrorKind::NotReady | ErrorKind::Overloaded => tonic::Code::Unavailable,
+            ErrorKind::NotReady | ErrorKind::Overloaded | ErrorKind::ShuttingDown => {
+                tonic::Code::Unavailable
+            }
             ErrorKind::Cancelled => tonic::Code::Cancelled,
-            ErrorKind::DeadlineExceeded => tonic::Code::DeadlineExceeded,
+            ErrorKind::DeadlineExceeded | ErrorKind::RequestTimeout => {
+                tonic::Code::DeadlineExceeded
+            }
             ErrorKind::Internal => tonic::Code::Internal,
         }
     }
@@ -84,9 +96,12 @@ impl ErrorKind {
             ErrorKind::InvalidInput => StatusCode::BAD_REQUEST,
             ErrorKind::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ErrorKind::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::Forbidden => StatusCode::FORBIDDEN,
-            ErrorKind::NotReady | ErrorKind::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::NotReady | ErrorKind::Overloaded | ErrorKind::ShuttingDown => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ErrorKind::Cancelled => StatusCode::from_u16(CLIENT_CLOSED_REQUEST)
                 .expect("499 is within the valid status range"),
             ErrorKind::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
@@ -101,8 +116,8 @@ pub struct ErrorBody {
     /// What went wrong and where (KServe v2 clients read this field).
     pub error: String,
     /// Stable snake_case kind: `invalid_input`, `unsupported_media_type`,
-    /// `payload_too_large`, `not_found`, `forbidden`, `not_ready`, `overloaded`,
-    /// `cancelled`, `deadline_exceeded`, `internal`.
+    /// `payload_too_large`, `request_timeout`, `not_found`, `forbidden`, `not_ready`, `overloaded`,
+    /// `shutting_down`, `cancelled`, `deadline_exceeded`, `internal`.
     pub code: String,
 }
 

@@ -55,7 +55,12 @@ pub struct Gateway {
     poll_stop: tokio_util::sync::CancellationToken,
     poll_task: Option<tokio::task::JoinHandle<()>>,
     grpc_task: tokio::task::JoinHandle<()>,
+    exit_timeout: Duration,
 }
+
+/// How long the listeners get to close once the requests under way are answered (or the
+/// exit timeout is up): idle connections close at once, what is left is cut.
+const LISTENER_CLOSE: Duration = Duration::from_secs(2);
 
 impl Gateway {
     /// Loads the repository, starts the models and binds HTTP. Returns once bound; the
@@ -113,18 +118,24 @@ impl Gateway {
                 cache: Arc::new(scheduler::ResponseCache::new(cfg.cache_size)),
                 max_image_pixels: cfg.max_image_pixels,
                 dct_override: cfg.dct_scaling_min_side,
-                decode_threads: settings.decode_threads,
-                limits: UploadLimits {
-                    max_files: cfg.max_files,
-                    max_file_bytes: cfg.max_file_bytes,
-                    max_body_bytes: cfg.max_body_bytes,
-                },
             },
             settings.control.clone(),
+            UploadLimits {
+                max_files: cfg.max_files,
+                max_file_bytes: cfg.max_file_bytes,
+                max_body_bytes: cfg.max_body_bytes,
+                pace: state::BodyPace {
+                    timeout: Duration::from_secs(cfg.body_timeout_secs),
+                    min_rate: cfg.body_min_rate,
+                },
+            },
+            settings.decode_threads,
         ));
         let poll_stop = tokio_util::sync::CancellationToken::new();
-        let poll_task = (settings.control.mode == state::ControlMode::Poll)
-            .then(|| tokio::spawn(state.clone().into_inner().poll_loop(poll_stop.clone())));
+        let poll_task = (settings.control.mode == state::ControlMode::Poll).then(|| {
+            let (state, stop) = (state.clone(), poll_stop.clone());
+            tokio::spawn(async move { state.registry.poll_loop(stop).await })
+        });
 
         let app_state = state.clone();
         let server = HttpServer::new(move || {
@@ -133,7 +144,7 @@ impl Gateway {
         .on_connect(http::on_connect)
         .workers(settings.http_workers)
         .disable_signals()
-        .shutdown_timeout(settings.shutdown_grace.as_secs())
+        .shutdown_timeout(LISTENER_CLOSE.as_secs())
         .bind((cfg.host, cfg.http_port))
         .with_context(|| format!("binding HTTP on {}:{}", cfg.host, cfg.http_port))?;
         let http_addr = *server
@@ -197,13 +208,14 @@ impl Gateway {
             server: handle,
             metrics_server: metrics_handle,
             task,
+            exit_timeout: settings.exit_timeout,
         })
     }
 
     /// Waits until every model has loaded (or failed); returns the failures.
     pub async fn wait_ready(&self) -> Vec<String> {
         let mut failures = Vec::new();
-        for handle in self.state.handles() {
+        for handle in self.state.registry.handles() {
             if let ModelState::Failed(e) = handle.wait_loaded().await {
                 failures.push(format!("{}: {e}", handle.name()));
             }
@@ -211,19 +223,44 @@ impl Gateway {
         failures
     }
 
-    /// Stops accepting, lets in-flight requests finish, then returns.
+    /// Stops as Triton does, within the exit timeout: readiness and new inference
+    /// requests answer 503 at once; the requests under way are answered; then HTTP and
+    /// gRPC close together (open gRPC streams end with UNAVAILABLE) and the models stop.
     pub async fn stop(self) {
+        let deadline = tokio::time::Instant::now() + self.exit_timeout;
+        self.state.drain.begin();
         self.poll_stop.cancel();
+        if tokio::time::timeout_at(deadline, self.state.drain.finished())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "exit timeout ({} s) reached with requests still running: they are cut off",
+                self.exit_timeout.as_secs()
+            );
+        }
+        self.state.drain.close();
+        self.grpc_stop.cancel();
+        let http = async {
+            self.server.stop(true).await;
+            let _ = self.task.await;
+        };
+        let grpc = async {
+            let mut task = self.grpc_task;
+            if tokio::time::timeout(LISTENER_CLOSE, &mut task)
+                .await
+                .is_err()
+            {
+                // Connections that ignore the GOAWAY: stop serving them.
+                task.abort();
+            }
+        };
+        tokio::join!(http, grpc, self.metrics_server.stop(true));
         if let Some(poll) = self.poll_task {
             // A poll under way finishes its loads first.
             let _ = poll.await;
         }
-        self.server.stop(true).await;
-        let _ = self.task.await;
-        self.grpc_stop.cancel();
-        let _ = self.grpc_task.await;
-        self.metrics_server.stop(true).await;
-        self.state.stop_models().await;
+        self.state.registry.stop_models().await;
     }
 }
 
@@ -233,8 +270,9 @@ pub async fn run(
     shutdown: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
     let gateway = Gateway::start(settings, EngineChoice::Torch).await?;
-    for failure in gateway.wait_ready().await {
-        tracing::error!("{failure}");
+    tokio::select! {
+        failures = gateway.wait_ready() => failures.iter().for_each(|f| tracing::error!("{f}")),
+        () = shutdown.cancelled() => {}
     }
     shutdown.cancelled().await;
     gateway.stop().await;

@@ -8,6 +8,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::convert;
 use super::pb::{self, grpc_inference_service_server::GrpcInferenceService};
+use crate::error::GatewayError;
 use crate::kserve;
 use crate::state::{load_parameters, unload_parameters, AppState, ControlParam};
 
@@ -121,6 +122,8 @@ impl GrpcInferenceService for InferenceService {
         &self,
         request: Request<pb::ModelInferRequest>,
     ) -> Result<Response<pb::ModelInferResponse>, Status> {
+        // A stopping server finishes this request before it closes the listeners.
+        let _work = self.state.drain.admit().map_err(GatewayError::from)?;
         let r = request.into_inner();
         // The model first: an unknown model is NOT_FOUND whatever its inputs look like.
         let served = kserve::resolve(&self.state, &r.model_name, version(&r.model_version))?;
@@ -139,6 +142,7 @@ impl GrpcInferenceService for InferenceService {
         request: Request<Streaming<pb::ModelInferRequest>>,
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
         let state = self.state.clone();
+        let closing = self.state.drain.closing();
         let requests = request.into_inner();
         let responses = requests.then(move |r| {
             let state = state.clone();
@@ -146,6 +150,7 @@ impl GrpcInferenceService for InferenceService {
                 let r = r?;
                 let id = r.id.clone();
                 let answer = async {
+                    let _work = state.drain.admit().map_err(GatewayError::from)?;
                     let served = kserve::resolve(&state, &r.model_name, version(&r.model_version))?;
                     let request = convert::infer_request(r)?;
                     Ok::<_, Status>(kserve::infer(&state, &served, request).await?)
@@ -166,6 +171,16 @@ impl GrpcInferenceService for InferenceService {
                 })
             }
         });
+        // A stopping server ends open streams when it closes its listeners (Triton's
+        // UNAVAILABLE); a stream the client ends just ends.
+        let ended = closing.clone();
+        let responses = responses.take_until(closing.cancelled_owned()).chain(
+            futures_util::stream::once(async move { ended.is_cancelled() }).filter_map(
+                |stopped| async move {
+                    stopped.then(|| Err(Status::unavailable("the server is shutting down")))
+                },
+            ),
+        );
         Ok(Response::new(Box::pin(responses)))
     }
 
@@ -216,10 +231,15 @@ impl GrpcInferenceService for InferenceService {
         &self,
         request: Request<pb::RepositoryModelLoadRequest>,
     ) -> Result<Response<pb::RepositoryModelLoadResponse>, Status> {
-        self.state.authorize_control(metadata_of(&request))?;
+        self.state
+            .registry
+            .authorize_control(metadata_of(&request))?;
         let r = request.into_inner();
         let config = load_parameters(control_params(r.parameters))?;
-        self.state.load_model(&r.model_name, config).await?;
+        self.state
+            .registry
+            .load_model(&r.model_name, config)
+            .await?;
         Ok(Response::new(pb::RepositoryModelLoadResponse {}))
     }
 
@@ -227,10 +247,15 @@ impl GrpcInferenceService for InferenceService {
         &self,
         request: Request<pb::RepositoryModelUnloadRequest>,
     ) -> Result<Response<pb::RepositoryModelUnloadResponse>, Status> {
-        self.state.authorize_control(metadata_of(&request))?;
+        self.state
+            .registry
+            .authorize_control(metadata_of(&request))?;
         let r = request.into_inner();
         let dependents = unload_parameters(control_params(r.parameters))?;
-        self.state.unload_model(&r.model_name, dependents).await?;
+        self.state
+            .registry
+            .unload_model(&r.model_name, dependents)
+            .await?;
         Ok(Response::new(pb::RepositoryModelUnloadResponse {}))
     }
 

@@ -1,4 +1,5 @@
 //! HTTP (actix-web): routes, extractor error bodies, the upload page.
+mod body;
 mod client;
 mod health;
 pub mod openapi;

@@ -14,14 +14,14 @@ use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
-use super::client;
+use super::{body, client};
 use crate::domain::RequestOptions;
 use crate::engine::OutputRequest;
 use crate::error::{ErrorBody, ErrorKind, GatewayError};
 use crate::pipeline::Encoded;
 use crate::preprocess::PreprocessError;
 use crate::scheduler::RowIn;
-use crate::state::AppState;
+use crate::state::{AppState, BodyPace};
 
 const DEFAULT_MODEL: &str = "ensemble_model";
 const DEFAULT_TOP_K: usize = 5;
@@ -109,9 +109,10 @@ fn too_large(message: impl Into<String>) -> GatewayError {
     GatewayError::new(ErrorKind::PayloadTooLarge, message)
 }
 
-fn multipart_error(e: actix_multipart::MultipartError) -> GatewayError {
+fn multipart_error(e: actix_multipart::MultipartError, pace: BodyPace) -> GatewayError {
     use actix_web::error::PayloadError;
     match e {
+        actix_multipart::MultipartError::Payload(p) if body::is_stall(&p) => body::stalled(pace),
         // The connection ended before the body did: the client left mid-upload.
         actix_multipart::MultipartError::Payload(
             PayloadError::Incomplete(_) | PayloadError::Io(_),
@@ -132,9 +133,10 @@ fn multipart_error(e: actix_multipart::MultipartError) -> GatewayError {
         (status = 200, description = "One result per file, in upload order", body = PredictResponse),
         (status = 400, description = "No files, malformed multipart or a bad query", body = ErrorBody),
         (status = 404, description = "Unknown model", body = ErrorBody),
-        (status = 413, description = "More files than `--max-files`, or a body over `--max-body-bytes`", body = ErrorBody),
+        (status = 408, description = "The body stopped arriving (`--body-timeout-secs`, `--body-min-rate`)", body = ErrorBody),
+        (status = 413, description = "More files than `--max-files`, or a body over `--max-body-bytes` (from `Content-Length` before reading, when sent)", body = ErrorBody),
         (status = 415, description = "Not multipart/form-data", body = ErrorBody),
-        (status = 503, description = "Model not ready, or its queue is full (with `Retry-After`)", body = ErrorBody),
+        (status = 503, description = "Model not ready, its queue is full (with `Retry-After`), or the server is shutting down", body = ErrorBody),
         (status = 504, description = "Still queued when the queue timeout passed", body = ErrorBody),
     )
 )]
@@ -144,6 +146,9 @@ pub async fn predict(
     query: web::Query<PredictQuery>,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
+    // A stopping server finishes this request before it closes the listeners.
+    let _work = state.drain.admit()?;
+    body::check_length(&req, state.limits.max_body_bytes)?;
     // A client that leaves drops its request here: its queued rows leave the queue and
     // the request counts as CANCELED (see `Admission`).
     tokio::select! {
@@ -175,7 +180,7 @@ async fn classify(
         ));
     }
     let model_name = query.model.as_deref().unwrap_or(DEFAULT_MODEL);
-    let pipeline = state.image_pipeline(model_name)?;
+    let pipeline = state.registry.image_pipeline(model_name)?;
     let top_k = query.top_k.unwrap_or(DEFAULT_TOP_K);
     if top_k == 0 || top_k > pipeline.num_classes {
         return Err(GatewayError::invalid(format!(
@@ -306,10 +311,11 @@ async fn read_parts(
     names: &mut Vec<String>,
 ) -> Result<(), GatewayError> {
     let limits = &state.limits;
-    let mut multipart = Multipart::new(req.headers(), payload);
+    let pace = limits.pace;
+    let mut multipart = Multipart::new(req.headers(), body::Paced::new(payload, pace));
     let mut body_bytes: u64 = 0;
     while let Some(field) = multipart.next().await {
-        let mut field = field.map_err(multipart_error)?;
+        let mut field = field.map_err(|e| multipart_error(e, pace))?;
         let is_file = field.name().is_some_and(|n| FILE_FIELDS.contains(&n));
         if is_file && names.len() == limits.max_files {
             return Err(too_large(format!(
@@ -325,7 +331,7 @@ async fn read_parts(
         let mut data = BytesMut::new();
         let mut size: u64 = 0;
         while let Some(chunk) = field.next().await {
-            let chunk = chunk.map_err(multipart_error)?;
+            let chunk = chunk.map_err(|e| multipart_error(e, pace))?;
             body_bytes += chunk.len() as u64;
             if body_bytes > limits.max_body_bytes {
                 return Err(too_large(format!(

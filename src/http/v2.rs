@@ -221,9 +221,9 @@ pub async fn load_model(
     body: web::Bytes,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
-    state.authorize_control(header_of(&req))?;
+    state.registry.authorize_control(header_of(&req))?;
     let config = load_parameters(control_parameters(&body)?)?;
-    state.load_model(&path, config).await?;
+    state.registry.load_model(&path, config).await?;
     Ok(HttpResponse::Ok().finish())
 }
 
@@ -243,8 +243,8 @@ pub async fn unload_model(
     body: web::Bytes,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
-    state.authorize_control(header_of(&req))?;
+    state.registry.authorize_control(header_of(&req))?;
     let dependents = unload_parameters(control_parameters(&body)?)?;
-    state.unload_model(&path, dependents).await?;
+    state.registry.unload_model(&path, dependents).await?;
     Ok(HttpResponse::Ok().finish())
 }

@@ -14,12 +14,12 @@ use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::client;
+use super::{body, client};
 use crate::domain::RequestOptions;
 use crate::error::{ErrorBody, ErrorKind, GatewayError};
 use crate::kserve::{self, DataType, InferRequest, InputTensor, OutputTensor, RequestedOutput};
 use crate::repository::ModelKind;
-use crate::state::{AppState, ServedModel};
+use crate::state::{AppState, ServedModel, UploadLimits};
 
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
 
@@ -108,8 +108,9 @@ pub struct InferPath {
             `Inference-Header-Content-Length`)", body = JsonResponse),
         (status = 400, description = "Bad input name, datatype or shape, or an undecodable row (named)", body = ErrorBody),
         (status = 404, description = "Unknown model or version", body = ErrorBody),
-        (status = 413, description = "Body over `--max-body-bytes`", body = ErrorBody),
-        (status = 503, description = "Model not ready, or its queue is full", body = ErrorBody),
+        (status = 408, description = "The body stopped arriving (`--body-timeout-secs`, `--body-min-rate`)", body = ErrorBody),
+        (status = 413, description = "Body over `--max-body-bytes` (from `Content-Length` before reading, when sent)", body = ErrorBody),
+        (status = 503, description = "Model not ready, its queue is full, or the server is shutting down", body = ErrorBody),
         (status = 504, description = "Still queued when the queue timeout passed", body = ErrorBody),
     ))]
 pub async fn infer(
@@ -118,6 +119,9 @@ pub async fn infer(
     payload: web::Payload,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
+    // A stopping server finishes this request before it closes the listeners.
+    let _work = state.drain.admit()?;
+    body::check_length(&req, state.limits.max_body_bytes)?;
     let InferPath { model, version } = path.into_inner();
     run(req, model, version, payload, state).await
 }
@@ -131,7 +135,7 @@ async fn run(
 ) -> Result<HttpResponse, GatewayError> {
     // Resolved once, first: an unknown model is 404 whatever the body holds.
     let served = kserve::resolve(&state, &model, version.as_deref())?;
-    let body = read_body(payload, state.limits.max_body_bytes).await?;
+    let body = read_body(payload, &state.limits).await?;
     let header_len = match req.headers().get(HEADER_LENGTH) {
         None => None,
         Some(v) => Some(
@@ -155,11 +159,15 @@ async fn run(
     Ok(write_response(response, &request.binary, binary_outputs))
 }
 
-async fn read_body(mut payload: web::Payload, limit: u64) -> Result<Bytes, GatewayError> {
+async fn read_body(payload: web::Payload, limits: &UploadLimits) -> Result<Bytes, GatewayError> {
+    let limit = limits.max_body_bytes;
+    let mut payload = body::Paced::new(payload, limits.pace);
     let mut body = BytesMut::new();
     while let Some(chunk) = payload.next().await {
-        let chunk = chunk
-            .map_err(|e| GatewayError::invalid(format!("cannot read the request body: {e}")))?;
+        let chunk = chunk.map_err(|e| match e {
+            e if body::is_stall(&e) => body::stalled(limits.pace),
+            e => GatewayError::invalid(format!("cannot read the request body: {e}")),
+        })?;
         if (body.len() + chunk.len()) as u64 > limit {
             return Err(GatewayError::new(
                 ErrorKind::PayloadTooLarge,

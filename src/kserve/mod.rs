@@ -58,7 +58,7 @@ pub fn resolve(
             )
         })?)),
     };
-    Ok(state.model_version(model, version)?)
+    Ok(state.registry.model_version(model, version)?)
 }
 
 /// Triton's datatype names: the config's `TYPE_X` without the prefix, `STRING` as `BYTES`.
@@ -80,9 +80,9 @@ pub fn model_metadata(state: &AppState, m: &RepositoryModel) -> ModelMetadata {
     ModelMetadata {
         name: m.name.to_string(),
         versions: state
+            .registry
             .models()
-            .models
-            .get(&m.name)
+            .versions(m.name.as_str())
             .map(|v| v.keys().map(|v| v.to_string()).collect())
             .unwrap_or_else(|| vec![m.version.to_string()]),
         platform: if c.platform.is_empty() {
@@ -128,7 +128,7 @@ pub struct IndexEntry {
 /// Every model of the repository, served or not (with why), sorted by name: one entry
 /// per served version.
 pub fn repository_index(state: &AppState, ready_only: bool) -> Vec<IndexEntry> {
-    let table = state.models();
+    let table = state.registry.models();
     let served = table.all().map(|served| {
         let m = served.repository_model();
         let (state, reason) = if served.is_ready() {
@@ -145,22 +145,23 @@ pub fn repository_index(state: &AppState, ready_only: bool) -> Vec<IndexEntry> {
             reason,
         }
     });
-    let unavailable = table.unavailable.iter().map(|(name, why)| IndexEntry {
-        name: name.clone(),
-        version: String::new(),
-        state: "UNAVAILABLE".to_string(),
-        reason: why.clone(),
+    let unavailable = table.entries().filter_map(|(name, e)| {
+        Some(IndexEntry {
+            name: name.to_string(),
+            version: String::new(),
+            state: "UNAVAILABLE".to_string(),
+            reason: e.unavailable.clone()?,
+        })
     });
     // Models of the repository never loaded (explicit mode): the name alone, as Triton.
-    let known: Vec<String> = table
-        .models
-        .keys()
-        .map(|n| n.to_string())
-        .chain(table.unavailable.keys().cloned())
-        .collect();
-    let never_loaded = crate::repository::model_names(&state.control.repository)
+    let known = |name: &str| {
+        table
+            .entry(name)
+            .is_some_and(|e| !e.served.is_empty() || e.unavailable.is_some())
+    };
+    let never_loaded = crate::repository::model_names(&state.registry.control.repository)
         .into_iter()
-        .filter(|name| !known.contains(name))
+        .filter(|name| !known(name))
         .map(|name| IndexEntry {
             name,
             version: String::new(),

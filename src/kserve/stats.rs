@@ -43,15 +43,15 @@ pub fn model_statistics(
         Some(m) => match version.filter(|v| !v.is_empty()) {
             Some(_) => vec![super::resolve(state, m, version)?],
             None => {
-                let table = state.models();
-                match table.models.get(&crate::domain::ModelName::new(m)) {
+                let table = state.registry.models();
+                match table.versions(m) {
                     Some(versions) => versions.values().cloned().collect(),
                     // Not served: the lookup's own NOT_FOUND error, with its reason.
                     None => vec![super::resolve(state, m, None)?],
                 }
             }
         },
-        None => state.models().all().cloned().collect(),
+        None => state.registry.models().all().cloned().collect(),
     };
     Ok(served
         .iter()

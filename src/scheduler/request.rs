@@ -68,16 +68,31 @@ impl From<RunError> for GatewayError {
 pub type RunResult<F> = Result<Vec<Result<RowOutput, F>>, RunError>;
 
 impl ModelHandle {
-    /// Runs one request: takes a place in the queue (or refuses at once: `Overloaded` when
-    /// the queue is full, `NotReady`), submits the rows in chunks as they arrive so the first
-    /// run while the rest still arrive, and answers every row in order. Dropping the future
-    /// cancels the request: its queued rows leave the queue unrun and it counts as
-    /// Triton's `CANCELED`. Every outcome is counted once, here.
+    /// Runs one request: once its first row is there, takes a place in the queue (or
+    /// refuses at once: `Overloaded` when the queue is full, `NotReady`), submits the rows
+    /// in chunks as they arrive so the first run while the rest still arrive, and answers
+    /// every row in order. A request still waiting for its first row (a slow upload) holds
+    /// no place. Dropping the future cancels the request: its queued rows leave the queue
+    /// unrun and it counts as Triton's `CANCELED`. Every outcome is counted once, here.
     pub async fn run<F>(
         &self,
         spec: RequestSpec,
         rows: impl Stream<Item = RowIn<F>>,
     ) -> RunResult<F> {
+        let mut rows = std::pin::pin!(rows);
+        let first = {
+            let mut waiting = CountIfDropped(Some(self));
+            let first = rows.next().await;
+            waiting.0 = None;
+            first
+        };
+        if let Some(RowIn::Abort(e)) = first {
+            // Ended before any row (a stalled or malformed upload): nothing to queue.
+            let result = Err(RunError::Aborted(e));
+            self.account(outcome_of(&result), Instant::now());
+            return result;
+        }
+        let rows = futures_util::stream::iter(first).chain(rows);
         let mut admission = match self.admit(spec.options) {
             Ok(admission) => admission,
             Err(e) => {
@@ -86,14 +101,7 @@ impl ModelHandle {
             }
         };
         let result = admission.feed(spec, rows).await;
-        let outcome = match &result {
-            Ok(_) => Outcome::Completed,
-            Err(RunError::Scheduler(e)) => outcome_of_error(e),
-            // The caller's rows ended because its client left (a cut-off upload).
-            Err(RunError::Aborted(e)) if e.kind() == ErrorKind::Cancelled => Outcome::Cancelled,
-            Err(RunError::Aborted(_)) => Outcome::Aborted,
-        };
-        admission.finish(outcome);
+        admission.finish(outcome_of(&result));
         result
     }
 
@@ -152,6 +160,17 @@ impl ModelHandle {
     }
 }
 
+/// A request dropped while it waits for its first row: its caller went away.
+struct CountIfDropped<'a>(Option<&'a ModelHandle>);
+
+impl Drop for CountIfDropped<'_> {
+    fn drop(&mut self) {
+        if let Some(handle) = self.0 {
+            handle.account(Outcome::Cancelled, Instant::now());
+        }
+    }
+}
+
 /// How a request ended, as counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Outcome {
@@ -165,6 +184,16 @@ enum Outcome {
     NotReady,
     /// Its own rows ended it (`OTHER`).
     Aborted,
+}
+
+fn outcome_of<T>(result: &Result<T, RunError>) -> Outcome {
+    match result {
+        Ok(_) => Outcome::Completed,
+        Err(RunError::Scheduler(e)) => outcome_of_error(e),
+        // The caller's rows ended because its client left (a cut-off upload).
+        Err(RunError::Aborted(e)) if e.kind() == ErrorKind::Cancelled => Outcome::Cancelled,
+        Err(RunError::Aborted(_)) => Outcome::Aborted,
+    }
 }
 
 fn outcome_of_error(e: &SchedulerError) -> Outcome {

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::{AppState, ModelTable, ServedModel, UploadLimits};
+use super::{ModelTable, Registry, ServedModel};
 use crate::domain::{InstanceId, ModelName};
 use crate::pipeline::ImagePipeline;
 use crate::preprocess::PreprocessSettings;
@@ -26,11 +26,9 @@ pub struct BuildOptions {
     pub cache: Arc<ResponseCache>,
     pub max_image_pixels: u64,
     pub dct_override: Option<u32>,
-    pub decode_threads: usize,
-    pub limits: UploadLimits,
 }
 
-impl AppState {
+impl Registry {
     /// Starts `models` (every version given) into `table`: classifiers get new handles
     /// (returned, still loading), preprocessors their settings, ensembles are recorded and
     /// linked. Versions of a model already in `table` are replaced as a whole.
@@ -44,9 +42,10 @@ impl AppState {
         let mut names: Vec<&ModelName> = models.iter().map(|m| &m.name).collect();
         names.dedup();
         for name in names {
-            table.models.remove(name);
-            table.ensembles.remove(name);
-            table.unavailable.remove(name.as_str());
+            let entry = table.entry_mut(name);
+            entry.served.clear();
+            entry.ensemble.clear();
+            entry.unavailable = None;
         }
         for m in models {
             let served = match &m.kind {
@@ -81,19 +80,11 @@ impl AppState {
                     normalize: p.normalize,
                 },
                 ModelKind::Ensemble(_) => {
-                    table
-                        .ensembles
-                        .entry(m.name.clone())
-                        .or_default()
-                        .push(m.clone());
+                    table.entry_mut(&m.name).ensemble.push(m.clone());
                     continue;
                 }
             };
-            table
-                .models
-                .entry(m.name.clone())
-                .or_default()
-                .insert(m.version, served);
+            table.entry_mut(&m.name).served.insert(m.version, served);
         }
         link_ensembles(table);
         started
@@ -104,72 +95,78 @@ impl AppState {
 /// whose steps are not served is unavailable until they are.
 pub(super) fn link_ensembles(table: &mut ModelTable) {
     let ensembles: Vec<(ModelName, Vec<Arc<RepositoryModel>>)> = table
-        .ensembles
-        .iter()
-        .map(|(n, v)| (n.clone(), v.clone()))
+        .entries()
+        .filter(|(_, e)| !e.ensemble.is_empty())
+        .map(|(n, e)| (n.clone(), e.ensemble.clone()))
         .collect();
     for (name, versions) in ensembles {
-        table.models.remove(&name);
+        let mut served = std::collections::BTreeMap::new();
+        let mut unavailable = None;
+        // The last version decides whether the model is listed unavailable.
         for m in versions {
-            let ModelKind::Ensemble(e) = &m.kind else {
-                continue;
-            };
-            let pre = table.get(e.preprocessor.as_str(), None);
-            let cls = table.get(e.classifier.as_str(), None);
-            match (pre, cls) {
-                (
-                    Some(ServedModel::Preprocessor {
-                        preprocess,
-                        normalize,
-                        ..
-                    }),
-                    Some(ServedModel::Classifier { model: c, handle }),
-                ) => {
-                    let ModelKind::Classifier(spec) = &c.kind else {
-                        continue;
-                    };
-                    // Steps reloaded on their own (new files, a config override) must still fit.
-                    let made = (preprocess.width as usize, preprocess.height as usize);
-                    if made != (spec.width, spec.height) {
-                        table.unavailable.insert(
-                            name.to_string(),
-                            format!(
-                                "its preprocessor makes {}x{} images but its classifier takes {}x{}",
-                                made.0, made.1, spec.width, spec.height
-                            ),
-                        );
-                        continue;
-                    }
-                    let pipeline = ImagePipeline {
-                        name: m.name.clone(),
-                        version: m.version,
-                        preprocess: preprocess.clone(),
-                        normalize: *normalize,
-                        classifier: handle.clone(),
-                        num_classes: spec.num_classes,
-                        labels: spec.labels.clone(),
-                    };
-                    table.unavailable.remove(name.as_str());
-                    table
-                        .models
-                        .entry(name.clone())
-                        .or_default()
-                        .insert(m.version, ServedModel::Ensemble { model: m, pipeline });
+            match ensemble_pipeline(table, &m) {
+                Ok(pipeline) => {
+                    unavailable = None;
+                    served.insert(m.version, ServedModel::Ensemble { model: m, pipeline });
                 }
-                _ => {
-                    let missing = if pre.is_none() {
-                        &e.preprocessor
-                    } else {
-                        &e.classifier
-                    };
-                    table.unavailable.insert(
-                        name.to_string(),
-                        format!("its step '{missing}' is not loaded"),
-                    );
-                }
+                Err(why) => unavailable = Some(why),
             }
         }
+        let entry = table.entry_mut(&name);
+        entry.served = served;
+        entry.unavailable = unavailable;
     }
+}
+
+/// The ensemble `m` on the newest versions of its steps in `table`, or why it cannot run.
+fn ensemble_pipeline(
+    table: &ModelTable,
+    m: &Arc<RepositoryModel>,
+) -> Result<ImagePipeline, String> {
+    let ModelKind::Ensemble(e) = &m.kind else {
+        return Err("not an ensemble".to_string());
+    };
+    let (pre, cls) = match (
+        table.get(e.preprocessor.as_str(), None),
+        table.get(e.classifier.as_str(), None),
+    ) {
+        (
+            Some(ServedModel::Preprocessor {
+                preprocess,
+                normalize,
+                ..
+            }),
+            Some(ServedModel::Classifier { model, handle }),
+        ) => ((preprocess, normalize), (model, handle)),
+        (pre, _) => {
+            let missing = if pre.is_none() {
+                &e.preprocessor
+            } else {
+                &e.classifier
+            };
+            return Err(format!("its step '{missing}' is not loaded"));
+        }
+    };
+    let ModelKind::Classifier(spec) = &cls.0.kind else {
+        return Err(format!("its step '{}' is not a classifier", e.classifier));
+    };
+    // Steps reloaded on their own (new files, a config override) must still fit.
+    let made = (pre.0.width as usize, pre.0.height as usize);
+    if made != (spec.width, spec.height) {
+        return Err(format!(
+            "its preprocessor makes {}x{} images but its classifier takes {}x{}",
+            made.0, made.1, spec.width, spec.height
+        ));
+    }
+    Ok(ImagePipeline {
+        name: m.name.clone(),
+        version: m.version,
+        preprocess: pre.0.clone(),
+        normalize: *pre.1,
+        classifier: cls.1.clone(),
+        num_classes: spec.num_classes,
+        labels: spec.labels.clone(),
+    })
 }
 
 fn preprocess_settings(p: &PreprocessorSpec, opts: &BuildOptions) -> PreprocessSettings {

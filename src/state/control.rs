@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::build::link_ensembles;
-use super::{AppState, ModelTable};
+use super::{ModelTable, Registry};
 use crate::domain::ModelName;
 use crate::error::{ErrorKind, GatewayError};
 use crate::repository::{self, ModelKind, RepositoryModel, ScanResult};
@@ -99,15 +99,13 @@ pub fn unload_parameters(
     Ok(dependents)
 }
 
-impl AppState {
+impl Registry {
     /// The table at start-up: what the control mode loads, started (still warming up).
     pub(super) fn initial_table(&self, scan: ScanResult) -> ModelTable {
         let mut table = ModelTable::default();
         for f in &scan.failures {
             tracing::error!(model = f.model, "model not loaded: {}", f.error);
-            table
-                .unavailable
-                .insert(f.model.clone(), f.error.to_string());
+            table.entry_mut(&ModelName::new(&f.model)).unavailable = Some(f.error.to_string());
         }
         let wanted: Vec<String> = match self.control.mode {
             ControlMode::None | ControlMode::Poll => {
@@ -124,7 +122,7 @@ impl AppState {
                 Ok(found) => models.extend(found),
                 Err(e) => {
                     tracing::error!(model = name, "{e}");
-                    table.unavailable.insert(name, e);
+                    table.entry_mut(&ModelName::new(name)).unavailable = Some(e);
                 }
             }
         }
@@ -138,7 +136,7 @@ impl AppState {
 
     fn record_fingerprints(&self, models: &[Arc<RepositoryModel>], table: &mut ModelTable) {
         for m in models {
-            table.fingerprints.insert(m.name.clone(), m.fingerprint);
+            table.entry_mut(&m.name).fingerprint = Some(m.fingerprint);
         }
     }
 
@@ -230,7 +228,7 @@ impl AppState {
         // Stopped again unless swapped in, also when this future is dropped (a client
         // that left, a deadline): no started model is left running outside the table.
         let mut started = Starting {
-            state: self,
+            registry: self,
             handles: self.start_models(models, &mut table),
         };
         let mut failures = Vec::new();
@@ -263,7 +261,10 @@ impl AppState {
         let _guard = self.control_lock.lock().await;
         let current = self.models();
         let key = ModelName::new(name);
-        if !current.models.contains_key(&key) && !current.ensembles.contains_key(&key) {
+        let loaded = current
+            .entry(name)
+            .is_some_and(|e| !e.served.is_empty() || !e.ensemble.is_empty());
+        if !loaded {
             // Triton: unloading a model that is not loaded has no effect and succeeds.
             tracing::info!(model = name, "unload: the model is not loaded");
             return Ok(());
@@ -277,9 +278,8 @@ impl AppState {
         unload_from(&mut table, &key);
         for step in steps {
             let used = table
-                .ensembles
-                .values()
-                .flatten()
+                .entries()
+                .flat_map(|(_, e)| &e.ensemble)
                 .any(|m| steps_of_model(m).contains(&step));
             if !used {
                 unload_from(&mut table, &step);
@@ -314,14 +314,19 @@ impl AppState {
         for (name, print) in &prints {
             // Loading an ensemble loads its new steps: skip what an earlier load of this
             // poll already brought up to date.
-            if self.models().fingerprints.get(name) == Some(print) {
+            if self
+                .models()
+                .entry(name.as_str())
+                .and_then(|e| e.fingerprint)
+                == Some(*print)
+            {
                 continue;
             }
             if let Err(e) = self.load_scanned(&scan, name.as_str()).await {
                 tracing::error!(model = %name, "reload failed: {e}");
                 // Do not retry the same files every poll.
                 let mut table = (*self.models()).clone();
-                table.fingerprints.insert(name.clone(), *print);
+                table.entry_mut(name).fingerprint = Some(*print);
                 record_failure(&mut table, name.as_str(), &e.to_string());
                 self.replace_table(table);
             }
@@ -336,27 +341,28 @@ impl AppState {
         // Directories removed: unload what they served, forget the rest.
         let current = self.models();
         for name in current
-            .fingerprints
-            .keys()
-            .filter(|n| !in_repository(n.as_str()))
+            .entries()
+            .filter(|(n, e)| e.fingerprint.is_some() && !in_repository(n.as_str()))
+            .map(|(n, _)| n)
         {
             if let Err(e) = self.unload_model(name.as_str(), false).await {
                 tracing::error!(model = %name, "unload failed: {e}");
             }
         }
         let mut table = (*self.models()).clone();
-        let before = (table.fingerprints.len(), table.unavailable.len());
-        table
-            .fingerprints
-            .retain(|name, _| in_repository(name.as_str()));
-        table.unavailable.retain(|name, _| in_repository(name));
-        if before != (table.fingerprints.len(), table.unavailable.len()) {
+        let mut forgot = false;
+        for (name, entry) in table.entries_mut() {
+            if !in_repository(name.as_str()) {
+                forgot |= entry.fingerprint.take().is_some() | entry.unavailable.take().is_some();
+            }
+        }
+        if forgot {
             self.replace_table(table);
         }
     }
 
     /// Runs `poll_repository` every poll interval until `stop` is cancelled.
-    pub async fn poll_loop(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+    pub async fn poll_loop(&self, stop: tokio_util::sync::CancellationToken) {
         let mut tick = tokio::time::interval(self.control.poll_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
@@ -380,32 +386,33 @@ pub fn mode_name(mode: ControlMode) -> &'static str {
 /// Lists why `name` could not (re)load (a model still served says so in the reason);
 /// returns whether that is news.
 fn record_failure(table: &mut ModelTable, name: &str, why: &str) -> bool {
-    let why = if table.models.contains_key(&ModelName::new(name)) {
+    let why = if table.versions(name).is_some() {
         format!("{why} (the loaded versions keep serving)")
     } else {
         why.to_string()
     };
-    table.unavailable.insert(name.to_string(), why.clone()) != Some(why)
+    table
+        .entry_mut(&ModelName::new(name))
+        .unavailable
+        .replace(why.clone())
+        != Some(why)
 }
 
 /// Removes `name` and relinks the ensembles (one built on it becomes unavailable).
 fn unload_from(table: &mut ModelTable, name: &ModelName) {
-    table.models.remove(name);
-    table.ensembles.remove(name);
-    table.fingerprints.remove(name);
-    table
-        .unavailable
-        .insert(name.to_string(), "unloaded".to_string());
+    *table.entry_mut(name) = super::ModelEntry {
+        unavailable: Some("unloaded".to_string()),
+        ..Default::default()
+    };
     link_ensembles(table);
 }
 
 /// The steps of every loaded version of the ensemble `name` (none for other models).
 fn steps_of(table: &ModelTable, name: &ModelName) -> Vec<ModelName> {
     let mut steps: Vec<ModelName> = table
-        .ensembles
-        .get(name)
+        .entry(name.as_str())
         .into_iter()
-        .flatten()
+        .flat_map(|e| &e.ensemble)
         .flat_map(|m| steps_of_model(m))
         .collect();
     steps.sort();
@@ -434,7 +441,7 @@ fn replaced_handles(before: &ModelTable, after: &ModelTable) -> Vec<ModelHandle>
 
 /// Models started for a load: shut down when dropped with handles still in it.
 struct Starting<'a> {
-    state: &'a AppState,
+    registry: &'a Registry,
     handles: Vec<ModelHandle>,
 }
 
@@ -442,7 +449,7 @@ impl Drop for Starting<'_> {
     fn drop(&mut self) {
         let handles = std::mem::take(&mut self.handles);
         if !handles.is_empty() {
-            self.state.retire(handles);
+            self.registry.retire(handles);
         }
     }
 }

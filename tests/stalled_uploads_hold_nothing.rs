@@ -1,0 +1,122 @@
+//! Slow and stalled clients: 300 uploads that send their headers and part of a file, then
+//! stop, hold no queue place (a normal `/predict` still gets its 200), and each is answered
+//! 408 `request_timeout` once its body budget runs out. A `Content-Length` over the limit
+//! is answered 413 before any of the body is sent.
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{photo, TestGateway};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use visiongate::config::Config;
+
+const STALLED: usize = 300;
+const BODY_TIMEOUT_SECS: u64 = 3;
+
+/// The head and the start of a one-file `/predict` upload that claims `length` bytes.
+fn stalled_upload(path: &str, length: u64) -> Vec<u8> {
+    let (_, jpeg) = photo("small", "sk_chelsea.jpg");
+    let mut head = format!(
+        "POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: multipart/form-data; boundary=XyZ\r\n\
+         Content-Length: {length}\r\n\r\n--XyZ\r\nContent-Disposition: form-data; name=\"files\"; \
+         filename=\"a.jpg\"\r\nContent-Type: image/jpeg\r\n\r\n"
+    )
+    .into_bytes();
+    head.extend_from_slice(&jpeg[..200]);
+    head
+}
+
+/// The status line's code of the response waiting on `conn` (within `within`).
+async fn status_of(conn: &mut TcpStream, within: Duration) -> Option<u16> {
+    let mut buf = vec![0u8; 4096];
+    let mut got = 0;
+    let deadline = Instant::now() + within;
+    while got < 12 {
+        let left = deadline.checked_duration_since(Instant::now())?;
+        match tokio::time::timeout(left, conn.read(&mut buf[got..])).await {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return None,
+            Ok(Ok(n)) => got += n,
+        }
+    }
+    std::str::from_utf8(&buf[9..12]).ok()?.parse().ok()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stalled_uploads_hold_no_queue_place_and_get_408() {
+    let mut config = Config::for_tests();
+    config.body_timeout_secs = BODY_TIMEOUT_SECS;
+    let max_body = config.max_body_bytes;
+    let gw = TestGateway::start_fake(config, Duration::from_millis(5)).await;
+    let addr = gw.gateway.as_ref().unwrap().http_addr;
+
+    let started = Instant::now();
+    let mut stalled = Vec::new();
+    for _ in 0..STALLED {
+        let mut conn = TcpStream::connect(addr).await.expect("connects");
+        conn.write_all(&stalled_upload("/predict", 1 << 20))
+            .await
+            .expect("sends the head");
+        stalled.push(conn);
+    }
+
+    // More stalled uploads than the queue has places (256), and a normal request still runs.
+    let r = gw.predict("", &[photo("small", "sk_chelsea.jpg")]).await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    assert!(r.results()[0]["class_id"].is_u64(), "{}", r.json);
+    assert!(
+        started.elapsed() < Duration::from_secs(BODY_TIMEOUT_SECS),
+        "the check ran after the stalled uploads timed out; it proves nothing"
+    );
+
+    // Each stalled upload is answered 408 once its budget is spent, not before.
+    let mut answers = Vec::new();
+    for conn in &mut stalled {
+        answers.push(status_of(conn, Duration::from_secs(BODY_TIMEOUT_SECS + 10)).await);
+    }
+    let waited = started.elapsed();
+    assert!(
+        answers.iter().all(|a| *a == Some(408)),
+        "stalled uploads answered {:?}",
+        answers
+            .iter()
+            .filter(|a| **a != Some(408))
+            .take(5)
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        waited >= Duration::from_secs(BODY_TIMEOUT_SECS),
+        "answered 408 after {waited:?}, before the budget ran out"
+    );
+
+    // A body announced over the limit: 413 at once, nothing of it sent.
+    for path in ["/predict", "/v2/models/ensemble_model/infer"] {
+        let mut conn = TcpStream::connect(addr).await.unwrap();
+        let head = stalled_upload(path, max_body + 1);
+        let end = head.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+        conn.write_all(&head[..end]).await.unwrap();
+        assert_eq!(
+            status_of(&mut conn, Duration::from_secs(2)).await,
+            Some(413),
+            "{path}"
+        );
+    }
+
+    // A stalled KServe body times out too.
+    let mut conn = TcpStream::connect(addr).await.unwrap();
+    conn.write_all(
+        b"POST /v2/models/ensemble_model/infer HTTP/1.1\r\nHost: test\r\n\
+          Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"inputs\": [",
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        status_of(&mut conn, Duration::from_secs(BODY_TIMEOUT_SECS + 10)).await,
+        Some(408)
+    );
+
+    // Still serving.
+    let r = gw.predict("", &[photo("small", "sk_chelsea.jpg")]).await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    gw.stop().await;
+}
