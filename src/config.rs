@@ -66,6 +66,46 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_GRPC_MAX_MESSAGE_BYTES", default_value_t = i32::MAX as usize)]
     pub grpc_max_message_bytes: usize,
 
+    /// gRPC connections open at once; one more is closed as it is accepted.
+    #[arg(long, env = "VISIONGATE_GRPC_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub grpc_max_connections: usize,
+
+    /// Calls open at once on one gRPC connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS);
+    /// clients queue the rest themselves.
+    #[arg(
+        long,
+        env = "VISIONGATE_GRPC_MAX_CONCURRENT_STREAMS",
+        default_value_t = 256
+    )]
+    pub grpc_max_concurrent_streams: u32,
+
+    /// Milliseconds between HTTP/2 keepalive pings on a gRPC connection (Triton's
+    /// `--grpc-keepalive-time`; Triton's default is 2 hours).
+    #[arg(long, env = "VISIONGATE_GRPC_KEEPALIVE_TIME", default_value_t = 60_000)]
+    pub grpc_keepalive_time: u64,
+
+    /// Milliseconds a client has to answer a keepalive ping before its connection is
+    /// closed (Triton's `--grpc-keepalive-timeout`, same default).
+    #[arg(
+        long,
+        env = "VISIONGATE_GRPC_KEEPALIVE_TIMEOUT",
+        default_value_t = 20_000
+    )]
+    pub grpc_keepalive_timeout: u64,
+
+    /// Seconds a gRPC connection may stay with no call open before it is closed (clients
+    /// reconnect on their next call).
+    #[arg(long, env = "VISIONGATE_GRPC_IDLE_TIMEOUT_SECS", default_value_t = 300)]
+    pub grpc_idle_timeout_secs: u64,
+
+    /// Seconds from a gRPC connection's accept to its client's HTTP/2 preface.
+    #[arg(
+        long,
+        env = "VISIONGATE_GRPC_HANDSHAKE_TIMEOUT_SECS",
+        default_value_t = 10
+    )]
+    pub grpc_handshake_timeout_secs: u64,
+
     /// Prometheus metrics port (`GET /metrics`, Triton's metric names). Triton's default
     /// is 8002; 0 picks a free port.
     #[arg(long, env = "VISIONGATE_METRICS_PORT", default_value_t = 8002)]
@@ -190,9 +230,16 @@ impl Config {
             || self.max_queue_size == 0
             || self.body_timeout_secs == 0
             || self.body_min_rate == 0
+            || self.grpc_max_connections == 0
+            || self.grpc_max_concurrent_streams == 0
+            || self.grpc_keepalive_time == 0
+            || self.grpc_keepalive_timeout == 0
+            || self.grpc_idle_timeout_secs == 0
+            || self.grpc_handshake_timeout_secs == 0
         {
             return Err("--max-files, --intra-op-threads, --max-queue-size, \
-                 --body-timeout-secs and --body-min-rate must be at least 1"
+                 --body-timeout-secs, --body-min-rate and the --grpc-* limits and timeouts \
+                 must be at least 1"
                 .into());
         }
         let api_key =

@@ -12,6 +12,29 @@ impl ModelName {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// Whether `name`, as a client sent it, can name a model: one directory of the
+    /// repository (no path separators, not `.` or `..`, no control characters, at most
+    /// 255 bytes). Returns why not.
+    pub fn check(name: &str) -> Result<(), String> {
+        let why = if name.is_empty() {
+            "it is empty"
+        } else if name.len() > 255 {
+            "it is longer than 255 bytes"
+        } else if name == "." || name == ".." {
+            "it names no model directory"
+        } else if name.contains(['/', '\\']) {
+            "it holds a path separator"
+        } else if name.chars().any(char::is_control) {
+            "it holds a control character"
+        } else {
+            return Ok(());
+        };
+        Err(format!(
+            "invalid model name {:?}: {why} (a model is one directory of the repository)",
+            name.chars().take(64).collect::<String>()
+        ))
+    }
 }
 
 /// Lets maps keyed by name be read with a `&str`.

@@ -8,6 +8,7 @@ pub mod error;
 pub mod grpc;
 pub mod http;
 pub mod kserve;
+pub mod pace;
 pub mod pipeline;
 pub mod preprocess;
 pub mod repository;
@@ -52,6 +53,8 @@ pub struct Gateway {
     metrics_server: actix_web::dev::ServerHandle,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
     grpc_stop: tokio_util::sync::CancellationToken,
+    /// Ends every gRPC connection at once.
+    grpc_kill: tokio_util::sync::CancellationToken,
     poll_stop: tokio_util::sync::CancellationToken,
     poll_task: Option<tokio::task::JoinHandle<()>>,
     grpc_task: tokio::task::JoinHandle<()>,
@@ -108,6 +111,10 @@ impl Gateway {
                 (factory, 0)
             }
         };
+        let pace = pace::BodyPace {
+            timeout: Duration::from_secs(cfg.body_timeout_secs),
+            min_rate: cfg.body_min_rate,
+        };
         let state = web::Data::new(AppState::build(
             scan,
             BuildOptions {
@@ -124,10 +131,7 @@ impl Gateway {
                 max_files: cfg.max_files,
                 max_file_bytes: cfg.max_file_bytes,
                 max_body_bytes: cfg.max_body_bytes,
-                pace: state::BodyPace {
-                    timeout: Duration::from_secs(cfg.body_timeout_secs),
-                    min_rate: cfg.body_min_rate,
-                },
+                pace,
             },
             settings.decode_threads,
         ));
@@ -161,11 +165,25 @@ impl Gateway {
             .with_context(|| format!("binding gRPC on {}:{}", cfg.host, cfg.grpc_port))?;
         let grpc_addr = grpc_listener.local_addr()?;
         let grpc_stop = tokio_util::sync::CancellationToken::new();
+        let grpc_kill = tokio_util::sync::CancellationToken::new();
         let grpc_task = tokio::spawn(grpc::serve_logged(
             grpc_listener,
             grpc::InferenceService::new(state.clone().into_inner()),
-            cfg.grpc_max_message_bytes,
+            grpc::GrpcSettings {
+                max_message_bytes: cfg.grpc_max_message_bytes,
+                max_concurrent_streams: cfg.grpc_max_concurrent_streams,
+                keepalive_time: Duration::from_millis(cfg.grpc_keepalive_time),
+                keepalive_timeout: Duration::from_millis(cfg.grpc_keepalive_timeout),
+                connections: grpc::ConnLimits {
+                    max_connections: cfg.grpc_max_connections,
+                    handshake: Duration::from_secs(cfg.grpc_handshake_timeout_secs),
+                    idle: Duration::from_secs(cfg.grpc_idle_timeout_secs),
+                    tcp_keepalive: Duration::from_millis(cfg.grpc_keepalive_time),
+                },
+                pace,
+            },
             grpc_stop.clone().cancelled_owned(),
+            grpc_kill.clone(),
         ));
         tracing::info!(%grpc_addr, "gRPC listening");
 
@@ -200,6 +218,7 @@ impl Gateway {
             http_addr,
             grpc_addr,
             grpc_stop,
+            grpc_kill,
             grpc_task,
             poll_stop,
             poll_task,
@@ -251,8 +270,9 @@ impl Gateway {
                 .await
                 .is_err()
             {
-                // Connections that ignore the GOAWAY: stop serving them.
-                task.abort();
+                // Connections that ignore the GOAWAY, or calls still running: cut them.
+                self.grpc_kill.cancel();
+                let _ = tokio::time::timeout(LISTENER_CLOSE, task).await;
             }
         };
         tokio::join!(http, grpc, self.metrics_server.stop(true));

@@ -70,15 +70,20 @@ impl TestGateway {
         self.control(model, action, body, Some(KEY)).await
     }
 
-    async fn index(&self) -> Vec<(String, String, String)> {
+    async fn index_json(&self) -> Value {
         let r = self
             .client
             .post(self.url("/v2/repository/index"))
             .send()
             .await
             .unwrap();
-        let v: Value = r.json().await.unwrap();
-        v.as_array()
+        r.json().await.unwrap()
+    }
+
+    async fn index(&self) -> Vec<(String, String, String)> {
+        self.index_json()
+            .await
+            .as_array()
             .unwrap()
             .iter()
             .map(|m| {
@@ -594,4 +599,126 @@ async fn requests_during_reloads_are_all_answered() {
         assert!(client.await.unwrap() > 0);
     }
     common::stop_shared(gw).await;
+}
+
+/// Names a client sends are checked at every entry, files a config names stay inside the
+/// model's directory, and no answer shows where the repository lies on disk.
+#[tokio::test(flavor = "multi_thread")]
+async fn control_stays_inside_the_repository_and_shows_no_paths() {
+    let repo = temp_repository("confined", |_, t| t.to_string());
+    let broken = std::fs::read_to_string(repo.join("classifier/config.pbtxt"))
+        .unwrap()
+        .replace("name: \"classifier\"", "name: \"broken\"")
+        .replace("labels.txt", "nolabels.txt");
+    std::fs::create_dir_all(repo.join("broken/1")).unwrap();
+    std::fs::write(repo.join("broken/config.pbtxt"), broken).unwrap();
+    let gw = TestGateway::start_fake(
+        explicit(&repo, &["ensemble_model"]),
+        Duration::from_millis(1),
+    )
+    .await;
+    let root = repo.canonicalize().unwrap();
+    let shows_no_path = |body: &Value| {
+        let text = body.to_string();
+        assert!(
+            !text.contains(root.to_str().unwrap()) && !text.contains(repo.to_str().unwrap()),
+            "an answer shows the repository's path: {text}"
+        );
+    };
+
+    // Names that are no directory of the repository: 400 wherever they come in.
+    // (A bare `..` segment never reaches a server: URL parsers resolve it, `%2E%2E` too;
+    // gRPC sends it below.)
+    for name in ["..%2F..%2Ftmp", "a%5Cb", "x%00y"] {
+        let (status, body) = gw.admin(name, "load", json!({})).await;
+        assert_eq!(status, 400, "load {name}: {body}");
+        assert!(
+            body["error"]
+                .as_str()
+                .unwrap()
+                .contains("invalid model name"),
+            "{body}"
+        );
+        let (status, body) = gw.admin(name, "unload", json!({})).await;
+        assert_eq!(status, 400, "unload {name}: {body}");
+    }
+    let (status, body) = gw.get("/v2/models/..%2Fclassifier").await;
+    assert_eq!(status, 400, "{body}");
+    let grpc_addr = gw.gateway.as_ref().unwrap().grpc_addr;
+    let mut grpc =
+        visiongate::grpc::pb::grpc_inference_service_client::GrpcInferenceServiceClient::connect(
+            format!("http://{grpc_addr}"),
+        )
+        .await
+        .unwrap();
+    for name in ["../classifier", ".."] {
+        let mut load = tonic::Request::new(visiongate::grpc::pb::RepositoryModelLoadRequest {
+            model_name: name.into(),
+            ..Default::default()
+        });
+        load.metadata_mut().insert(KEY_HEADER, KEY.parse().unwrap());
+        let refused = grpc.repository_model_load(load).await.unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(
+            refused.message().contains("invalid model name"),
+            "{refused:?}"
+        );
+    }
+
+    // Files a `config` names outside the model's directory: refused, naming the field.
+    let (_, config) = gw.get("/v2/models/classifier/config").await;
+    for (field, value, edit) in [
+        (
+            "output.label_filename",
+            "../../../../etc/passwd",
+            json!({"output": [{"name": "output__0", "data_type": "TYPE_FP32", "dims": ["1000"],
+                               "label_filename": "../../../../etc/passwd"}]}),
+        ),
+        (
+            "default_model_filename",
+            "/etc/passwd",
+            json!({"default_model_filename": "/etc/passwd"}),
+        ),
+    ] {
+        let mut bad = config.clone();
+        for (k, v) in edit.as_object().unwrap() {
+            bad[k] = v.clone();
+        }
+        let (status, body) = gw
+            .admin(
+                "classifier",
+                "load",
+                json!({"parameters": {"config": bad.to_string()}}),
+            )
+            .await;
+        assert_eq!(status, 400, "{field} = {value}: {body}");
+        let error = body["error"].as_str().unwrap();
+        assert!(
+            error.contains(field) && error.contains("inside the model's directory"),
+            "{body}"
+        );
+        shows_no_path(&body);
+    }
+
+    // A model whose labels file is missing: the failed load and the index say which file,
+    // relative to the repository.
+    let (status, body) = gw.admin("broken", "load", json!({})).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("broken/nolabels.txt"),
+        "{body}"
+    );
+    shows_no_path(&body);
+    let index = gw.index_json().await;
+    assert!(index.to_string().contains("broken/nolabels.txt"), "{index}");
+    shows_no_path(&index);
+
+    // The right key still works, and the models still serve.
+    let (status, body) = gw.admin("classifier", "load", json!({})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(gw.predict_red(9).await.results()[0]["class_id"], 9);
+    gw.stop().await;
 }

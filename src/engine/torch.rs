@@ -31,6 +31,17 @@ pub struct TorchEngine {
     events: Option<[cuda::Event; 4]>,
 }
 
+/// A model file's path from its model directory on: `<model>/<version>/<file>`.
+fn repository_relative(path: &Path) -> String {
+    let parts: Vec<_> = path.components().rev().take(3).collect();
+    parts
+        .into_iter()
+        .rev()
+        .map(|c| c.as_os_str().to_string_lossy())
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
 fn exec(e: tch::TchError) -> EngineError {
     EngineError::Execution(e.to_string())
 }
@@ -39,9 +50,17 @@ impl TorchEngine {
     /// Loads the module onto `gpu` (CUDA ordinal) or the CPU, in eval mode. Call it on the
     /// thread that will run it: on a GPU that thread gets a stream of its own first.
     pub fn load(path: &Path, gpu: Option<u32>) -> Result<Self, EngineError> {
+        // Said relative to the repository (`<model>/<version>/<file>`), torch's message to
+        // its first line: load errors reach clients (the repository index, a failed load).
+        let full = path.display().to_string();
+        let shown = repository_relative(path);
         let load_error = |message: String| EngineError::Load {
-            path: path.display().to_string(),
-            message,
+            message: message
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .replace(&full, &shown),
+            path: shown.clone(),
         };
         let (device, events) = match gpu {
             Some(i) => {

@@ -1,10 +1,18 @@
 //! KServe v2 over gRPC (tonic): `inference.GRPCInferenceService`, wire-compatible with
 //! `tritonclient.grpc`. The service is thin: `convert` maps messages to `kserve` types and
 //! back, and every answer comes from the same state HTTP uses.
+mod conn;
 mod convert;
 mod service;
 
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+pub use conn::ConnLimits;
 pub use service::InferenceService;
+
+use crate::pace::BodyPace;
 
 /// Messages and service generated from `proto/grpc_service.proto`; `ModelConfig` is the
 /// repository's own type (same descriptor), so `ModelConfig` returns what is on disk.
@@ -13,20 +21,45 @@ pub mod pb {
     include!(concat!(env!("OUT_DIR"), "/grpc/inference.rs"));
 }
 
-/// Starts serving on `listener` until `shutdown` resolves.
+/// How the gRPC listener treats its clients.
+#[derive(Debug, Clone, Copy)]
+pub struct GrpcSettings {
+    /// Largest message, received or sent.
+    pub max_message_bytes: usize,
+    /// HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: calls open at once on one connection.
+    pub max_concurrent_streams: u32,
+    /// HTTP/2 PING every so often; a client that does not answer within the timeout is
+    /// dropped.
+    pub keepalive_time: Duration,
+    pub keepalive_timeout: Duration,
+    pub connections: ConnLimits,
+    pub pace: BodyPace,
+}
+
+/// Serves on `listener` until `shutdown` resolves, then drains (calls under way finish;
+/// see `Gateway::stop`); `kill` ends every connection at once.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     service: InferenceService,
-    max_message_bytes: usize,
+    settings: GrpcSettings,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    kill: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let server = pb::grpc_inference_service_server::GrpcInferenceServiceServer::new(service)
-        .max_decoding_message_size(max_message_bytes)
-        .max_encoding_message_size(max_message_bytes);
+        .max_decoding_message_size(settings.max_message_bytes)
+        .max_encoding_message_size(settings.max_message_bytes);
     tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(settings.max_concurrent_streams))
+        .http2_keepalive_interval(Some(settings.keepalive_time))
+        .http2_keepalive_timeout(Some(settings.keepalive_timeout))
+        // h2's guard against floods of streams reset for errors (tonic turns it off).
+        .http2_max_local_error_reset_streams(Some(1024))
+        .layer(conn::CallLayer {
+            pace: settings.pace,
+        })
         .add_service(server)
         .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            conn::incoming(listener, settings.connections, kill),
             shutdown,
         )
         .await
@@ -36,10 +69,11 @@ pub async fn serve(
 pub async fn serve_logged(
     listener: tokio::net::TcpListener,
     service: InferenceService,
-    max_message_bytes: usize,
+    settings: GrpcSettings,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    kill: CancellationToken,
 ) {
-    if let Err(e) = serve(listener, service, max_message_bytes, shutdown).await {
+    if let Err(e) = serve(listener, service, settings, shutdown, kill).await {
         tracing::error!("gRPC server stopped: {e}");
     }
 }

@@ -1,23 +1,16 @@
-//! Request bodies that must keep arriving. A client has a time budget (`--body-timeout-secs`)
-//! that only runs down while the server waits for its bytes, and that every byte received
-//! refills (one second per `--body-min-rate` bytes, up to the full budget), as Apache's
-//! `mod_reqtimeout` does: an upload at the minimum rate or faster never runs out, one that
-//! stalls runs out after the budget and is answered 408. Time the server spends not reading
-//! (the upload paced by decoding) is not the client's.
-use std::future::Future;
+//! Request bodies over HTTP: the `Content-Length` checked before anything is read, and the
+//! body held to its pace (`crate::pace`) while it is read.
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use actix_web::error::PayloadError;
 use actix_web::http::header;
 use actix_web::web::Bytes;
 use actix_web::HttpRequest;
 use futures_util::Stream;
-use tokio::time::{Instant, Sleep};
 
 use crate::error::{ErrorKind, GatewayError};
-use crate::state::BodyPace;
+use crate::pace::{BodyPace, Budget};
 
 /// `Content-Length` over `limit`: 413 before any of the body is read.
 pub fn check_length(req: &HttpRequest, limit: u64) -> Result<(), GatewayError> {
@@ -38,30 +31,16 @@ pub fn check_length(req: &HttpRequest, limit: u64) -> Result<(), GatewayError> {
     Ok(())
 }
 
-/// The error a paced body ends with when its client stalled.
-pub fn stalled(pace: BodyPace) -> GatewayError {
-    GatewayError::new(
-        ErrorKind::RequestTimeout,
-        format!(
-            "the request body stopped arriving: send at least {} bytes/s, with no pause over {} s",
-            pace.min_rate,
-            pace.timeout.as_secs()
-        ),
-    )
-}
-
 /// Whether a payload error is a paced body running out.
 pub fn is_stall(e: &PayloadError) -> bool {
     matches!(e, PayloadError::Io(io) if io.kind() == std::io::ErrorKind::TimedOut)
 }
 
-/// A body stream held to `pace`.
+/// A body stream held to its pace: it ends with a `TimedOut` error (`is_stall`) once the
+/// client has kept the server waiting past its budget.
 pub struct Paced<S> {
     inner: S,
-    pace: BodyPace,
-    budget: Duration,
-    waiting_since: Option<Instant>,
-    timer: Pin<Box<Sleep>>,
+    budget: Budget,
     ended: bool,
 }
 
@@ -69,10 +48,7 @@ impl<S> Paced<S> {
     pub fn new(inner: S, pace: BodyPace) -> Self {
         Paced {
             inner,
-            pace,
-            budget: pace.timeout,
-            waiting_since: None,
-            timer: Box::pin(tokio::time::sleep(pace.timeout)),
+            budget: Budget::new(pace),
             ended: false,
         }
     }
@@ -90,31 +66,23 @@ where
             return Poll::Ready(None);
         }
         match Pin::new(&mut this.inner).poll_next(cx) {
-            Poll::Ready(item) => {
-                if let Some(since) = this.waiting_since.take() {
-                    this.budget = this.budget.saturating_sub(since.elapsed());
-                }
-                if let Some(Ok(bytes)) = &item {
-                    let refill = Duration::from_secs_f64(
-                        bytes.len() as f64 / this.pace.min_rate.max(1) as f64,
-                    );
-                    this.budget = (this.budget + refill).min(this.pace.timeout);
-                }
-                this.ended = !matches!(item, Some(Ok(_)));
-                Poll::Ready(item)
+            Poll::Ready(Some(Ok(bytes))) => {
+                this.budget.received(bytes.len());
+                Poll::Ready(Some(Ok(bytes)))
             }
-            Poll::Pending => {
-                let since = *this.waiting_since.get_or_insert_with(Instant::now);
-                this.timer.as_mut().reset(since + this.budget);
-                if this.timer.as_mut().poll(cx).is_ready() {
-                    this.ended = true;
-                    return Poll::Ready(Some(Err(PayloadError::Io(std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        "the request body stopped arriving",
-                    )))));
-                }
-                Poll::Pending
+            Poll::Ready(other) => {
+                this.budget.settled();
+                this.ended = true;
+                Poll::Ready(other)
             }
+            Poll::Pending if this.budget.exhausted(cx) => {
+                this.ended = true;
+                Poll::Ready(Some(Err(PayloadError::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the request body stopped arriving",
+                )))))
+            }
+            Poll::Pending => Poll::Pending,
         }
     }
 }

@@ -18,10 +18,11 @@ use super::{body, client};
 use crate::domain::RequestOptions;
 use crate::engine::OutputRequest;
 use crate::error::{ErrorBody, ErrorKind, GatewayError};
+use crate::pace::BodyPace;
 use crate::pipeline::Encoded;
 use crate::preprocess::PreprocessError;
 use crate::scheduler::RowIn;
-use crate::state::{AppState, BodyPace};
+use crate::state::AppState;
 
 const DEFAULT_MODEL: &str = "ensemble_model";
 const DEFAULT_TOP_K: usize = 5;
@@ -112,7 +113,7 @@ fn too_large(message: impl Into<String>) -> GatewayError {
 fn multipart_error(e: actix_multipart::MultipartError, pace: BodyPace) -> GatewayError {
     use actix_web::error::PayloadError;
     match e {
-        actix_multipart::MultipartError::Payload(p) if body::is_stall(&p) => body::stalled(pace),
+        actix_multipart::MultipartError::Payload(p) if body::is_stall(&p) => pace.stalled(),
         // The connection ended before the body did: the client left mid-upload.
         actix_multipart::MultipartError::Payload(
             PayloadError::Incomplete(_) | PayloadError::Io(_),

@@ -165,7 +165,7 @@ async fn read_body(payload: web::Payload, limits: &UploadLimits) -> Result<Bytes
     let mut body = BytesMut::new();
     while let Some(chunk) = payload.next().await {
         let chunk = chunk.map_err(|e| match e {
-            e if body::is_stall(&e) => body::stalled(limits.pace),
+            e if body::is_stall(&e) => limits.pace.stalled(),
             e => GatewayError::invalid(format!("cannot read the request body: {e}")),
         })?;
         if (body.len() + chunk.len()) as u64 > limit {

@@ -217,6 +217,13 @@ fn requested_outputs(
             )));
         }
     }
+    // As Triton: each output once (a repeated one would multiply the response, not the work).
+    if req.outputs.len() > 1 {
+        return Err(GatewayError::invalid(format!(
+            "output '{name}' is requested {} times: ask for each output once",
+            req.outputs.len()
+        )));
+    }
     Ok(req.outputs.clone())
 }
 

@@ -160,9 +160,28 @@ pub fn dct_scale(width: usize, height: usize, min_side: u32) -> ScalingFactor {
     ScalingFactor::ONE
 }
 
+/// The most scans a progressive JPEG may have. Encoders write about 10 (libjpeg's default
+/// script), at most a few dozen; each scan is one more pass over the whole image, so a
+/// small file with hundreds of repeated scans costs seconds of CPU.
+const MAX_JPEG_SCANS: u32 = 100;
+
 fn decode_jpeg(bytes: &[u8], settings: &PreprocessSettings) -> Result<Rgb, PreprocessError> {
     let invalid = |e: turbojpeg::Error| PreprocessError::Invalid(format!("JPEG: {e}"));
+    // Scan headers counted before any decoding (entropy-coded data never holds FF DA, so
+    // this counts them all, plus those of an EXIF thumbnail), so a scan bomb costs one
+    // pass over its bytes; libjpeg-turbo's own limit stays as the exact guard.
+    let scans = bytes
+        .windows(2)
+        .filter(|w| *w == [0xFF, 0xDA])
+        .take(MAX_JPEG_SCANS as usize + 1)
+        .count();
+    if scans > MAX_JPEG_SCANS as usize {
+        return Err(PreprocessError::Invalid(format!(
+            "JPEG: more than {MAX_JPEG_SCANS} scans (a progressive image has about 10)"
+        )));
+    }
     let mut d = Decompressor::new().map_err(invalid)?;
+    d.set_scan_limit(MAX_JPEG_SCANS).map_err(invalid)?;
     let header = d.read_header(bytes).map_err(invalid)?;
     check_pixels(header.width as u64, header.height as u64, settings)?;
     let scale = dct_scale(header.width, header.height, settings.dct_scaling_min_side);
@@ -366,6 +385,20 @@ mod tests {
         decode_into(bytes, &settings(), &mut out).unwrap();
         let p = pixel(&out, 112, 112);
         assert!(p[0] > 230 && p[1] < 30 && p[2] < 30, "{p:?}");
+    }
+
+    #[test]
+    fn a_progressive_jpeg_with_hundreds_of_scans_is_refused() {
+        // tests/fixtures/make_scan_bomb.py: 4096x4096, 810 scans, 147 KB; seconds of CPU
+        // to decode without the limit.
+        let bytes = include_bytes!("../../tests/fixtures/generated/scan_bomb.jpg");
+        let mut out = vec![0; settings().row_len()];
+        let e = decode_into(bytes, &settings(), &mut out).unwrap_err();
+        assert_eq!(e.code(), "invalid_image");
+        assert!(e.to_string().contains("scans"), "{e}");
+        // An ordinary progressive JPEG (Pillow's, 10 scans) still decodes.
+        let ordinary = include_bytes!("../../tests/fixtures/generated/progressive.jpg");
+        decode_into(ordinary, &settings(), &mut out).unwrap();
     }
 
     #[test]

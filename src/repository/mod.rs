@@ -24,12 +24,16 @@ pub mod pb {
 
 #[derive(Debug, thiserror::Error)]
 pub enum RepositoryError {
+    /// A file or directory of a model; `path` is relative to the repository (no error
+    /// shows where the repository lies on the server's disk).
     #[error("cannot read {path}: {source}")]
     Io {
         path: PathBuf,
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot read the model repository: {0}")]
+    Root(#[source] std::io::Error),
     #[error("model '{model}': config.pbtxt does not parse: {message}")]
     Parse { model: String, message: String },
     #[error("model '{model}': field '{field}' is not supported: {remedy}")]
@@ -49,7 +53,7 @@ pub enum RepositoryError {
 impl HasKind for RepositoryError {
     fn kind(&self) -> ErrorKind {
         match self {
-            RepositoryError::Io { .. } => ErrorKind::Internal,
+            RepositoryError::Io { .. } | RepositoryError::Root(_) => ErrorKind::Internal,
             // A configuration a client sent (`load` with `config`) or wrote.
             RepositoryError::Parse { .. }
             | RepositoryError::Unsupported { .. }
@@ -87,12 +91,8 @@ pub struct ScanResult {
 /// Reads every model directory under `root`. Only an unreadable `root` is an error;
 /// a broken model becomes a [`LoadFailure`] and the rest load.
 pub fn scan(root: &Path) -> Result<ScanResult, RepositoryError> {
-    let io = |source| RepositoryError::Io {
-        path: root.to_path_buf(),
-        source,
-    };
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(root)
-        .map_err(io)?
+        .map_err(RepositoryError::Root)?
         .filter_map(|e| e.ok())
         .map(|e| e.path())
         .filter(|p| p.is_dir() && p.join("config.pbtxt").is_file())
@@ -148,10 +148,11 @@ pub fn fingerprint(dir: &Path) -> u64 {
 fn load_model(dir: &Path, name: &str) -> Result<Vec<RepositoryModel>, RepositoryError> {
     // Before reading: a file changed while it is read shows as a change at the next poll.
     let print = fingerprint(dir);
-    let path = dir.join("config.pbtxt");
-    let text = std::fs::read_to_string(&path).map_err(|source| RepositoryError::Io {
-        path: path.clone(),
-        source,
+    let text = std::fs::read_to_string(dir.join("config.pbtxt")).map_err(|source| {
+        RepositoryError::Io {
+            path: Path::new(name).join("config.pbtxt"),
+            source,
+        }
     })?;
     versions(dir, name, parse_model_config(name, &text)?, print)
 }

@@ -127,7 +127,7 @@ pub(super) fn available_versions(
     model: &str,
 ) -> Result<Vec<ModelVersion>, RepositoryError> {
     let entries = std::fs::read_dir(dir).map_err(|source| RepositoryError::Io {
-        path: dir.to_path_buf(),
+        path: PathBuf::from(model),
         source,
     })?;
     let mut versions: Vec<ModelVersion> = entries
@@ -394,7 +394,13 @@ fn classifier(
     } else {
         c.default_model_filename.as_str()
     };
-    let model_file = dir.join(version.to_string()).join(file_name);
+    let version_dir = version.to_string();
+    let model_file = file_in(
+        &dir.join(&version_dir),
+        model,
+        "default_model_filename",
+        file_name,
+    )?;
     if !model_file.is_file() {
         return Err(invalid(
             model,
@@ -402,7 +408,7 @@ fn classifier(
             format!(
                 "{} is missing; run `make setup` (it exports the bundled model) or put a \
                  TorchScript file there",
-                model_file.display()
+                Path::new(model).join(version_dir).join(file_name).display()
             ),
         ));
     }
@@ -428,24 +434,48 @@ fn read_labels(
     file: &str,
     num_classes: usize,
 ) -> Result<Vec<String>, RepositoryError> {
-    let path = dir.join(file);
-    let text = std::fs::read_to_string(&path).map_err(|source| RepositoryError::Io {
-        path: path.clone(),
-        source,
+    let field = "output.label_filename";
+    let shown = Path::new(model).join(file);
+    let text = std::fs::read_to_string(file_in(dir, model, field, file)?).map_err(|source| {
+        RepositoryError::Io {
+            path: shown.clone(),
+            source,
+        }
     })?;
     let labels: Vec<String> = text.lines().map(|l| l.trim_end().to_string()).collect();
     if labels.len() != num_classes {
         return Err(invalid(
             model,
-            "output.label_filename",
+            field,
             format!(
                 "{} has {} lines but the output has {num_classes} classes",
-                path.display(),
+                shown.display(),
                 labels.len()
             ),
         ));
     }
     Ok(labels)
+}
+
+/// The file `name` that a config's `field` names, inside `dir` (the model's directory or
+/// a version's), or why it is refused: only a relative path that stays inside is taken.
+fn file_in(dir: &Path, model: &str, field: &str, name: &str) -> Result<PathBuf, RepositoryError> {
+    let path = Path::new(name);
+    let inside = !name.is_empty()
+        && path
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+    if !inside {
+        return Err(invalid(
+            model,
+            field,
+            format!(
+                "'{name}' is not a file inside the model's directory: give a relative path \
+                 without '..'"
+            ),
+        ));
+    }
+    Ok(dir.join(path))
 }
 
 fn instance_groups(

@@ -26,8 +26,12 @@ pub(super) struct Inner {
     pub policy: BatchPolicy,
     /// Per priority level, one permit per queue place (`max_queue_size`).
     pub queue_places: Vec<Arc<Semaphore>>,
-    /// Signalled whenever a request gives its queue place back.
+    /// Signalled whenever a request gives its queue place back (or stops waiting for its
+    /// first row).
     pub place_freed: Arc<Notify>,
+    /// Requests that resolved this model and wait for their first row, holding no place
+    /// yet: a retiring model waits for them too.
+    pub arriving: std::sync::atomic::AtomicUsize,
     pub cache: Option<Arc<ResponseCache>>,
     pub state: watch::Receiver<ModelState>,
     /// Stops the batcher, which ends the instance threads.
@@ -47,12 +51,14 @@ pub(super) struct Inner {
 }
 
 impl Inner {
-    /// No request holds a queue place.
+    /// No request holds a queue place or waits for its first row.
     fn idle(&self) -> bool {
-        self.queue_places
-            .iter()
-            .zip(&self.policy.queues)
-            .all(|(places, queue)| places.available_permits() == queue.capacity.max(1))
+        self.arriving.load(Ordering::SeqCst) == 0
+            && self
+                .queue_places
+                .iter()
+                .zip(&self.policy.queues)
+                .all(|(places, queue)| places.available_permits() == queue.capacity.max(1))
     }
 }
 

@@ -2,6 +2,7 @@
 //! submitted in chunks as they arrive, the response cache, the merge of every chunk's
 //! outputs in row order, and the request's accounting (Triton's success and failure
 //! counters, which the statistics extension reads too).
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -80,12 +81,9 @@ impl ModelHandle {
         rows: impl Stream<Item = RowIn<F>>,
     ) -> RunResult<F> {
         let mut rows = std::pin::pin!(rows);
-        let first = {
-            let mut waiting = CountIfDropped(Some(self));
-            let first = rows.next().await;
-            waiting.0 = None;
-            first
-        };
+        let mut arriving = Arriving::new(self);
+        let first = rows.next().await;
+        arriving.counts_as_cancelled = false;
         if let Some(RowIn::Abort(e)) = first {
             // Ended before any row (a stalled or malformed upload): nothing to queue.
             let result = Err(RunError::Aborted(e));
@@ -93,7 +91,10 @@ impl ModelHandle {
             return result;
         }
         let rows = futures_util::stream::iter(first).chain(rows);
-        let mut admission = match self.admit(spec.options) {
+        let admitted = self.admit(spec.options);
+        // Only now: with its place taken, a retiring model still waits for this request.
+        drop(arriving);
+        let mut admission = match admitted {
             Ok(admission) => admission,
             Err(e) => {
                 self.account(outcome_of_error(&e), Instant::now());
@@ -109,7 +110,7 @@ impl ModelHandle {
     fn admit(&self, options: RequestOptions) -> Result<Admission, SchedulerError> {
         let inner = &self.inner;
         let model = || inner.name.to_string();
-        if !self.is_ready() || inner.retired.load(std::sync::atomic::Ordering::SeqCst) {
+        if !self.is_ready() || inner.retired.load(Ordering::SeqCst) {
             return Err(SchedulerError::NotReady { model: model() });
         }
         let level = inner.policy.level(options.priority);
@@ -160,14 +161,32 @@ impl ModelHandle {
     }
 }
 
-/// A request dropped while it waits for its first row: its caller went away.
-struct CountIfDropped<'a>(Option<&'a ModelHandle>);
+/// A request waiting for its first row: it holds no queue place, but a retiring model
+/// waits for it (it resolved the model before the model left the table). Dropped while
+/// it waits, its caller went away: it counts as cancelled.
+struct Arriving<'a> {
+    handle: &'a ModelHandle,
+    counts_as_cancelled: bool,
+}
 
-impl Drop for CountIfDropped<'_> {
-    fn drop(&mut self) {
-        if let Some(handle) = self.0 {
-            handle.account(Outcome::Cancelled, Instant::now());
+impl<'a> Arriving<'a> {
+    fn new(handle: &'a ModelHandle) -> Arriving<'a> {
+        handle.inner.arriving.fetch_add(1, Ordering::SeqCst);
+        Arriving {
+            handle,
+            counts_as_cancelled: true,
         }
+    }
+}
+
+impl Drop for Arriving<'_> {
+    fn drop(&mut self) {
+        if self.counts_as_cancelled {
+            self.handle.account(Outcome::Cancelled, Instant::now());
+        }
+        let inner = &self.handle.inner;
+        inner.arriving.fetch_sub(1, Ordering::SeqCst);
+        inner.place_freed.notify_waiters();
     }
 }
 

@@ -168,6 +168,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
                 NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
             },
             place_freed: Arc::new(Notify::new()),
+            arriving: Default::default(),
             name: settings.name,
             version: settings.version,
             metrics: settings.metrics,

@@ -152,7 +152,8 @@ impl Registry {
                  --repository-control-key <header>=<key> and send that header",
             ));
         };
-        if header(name).as_deref() != Some(key.as_str()) {
+        let sent = header(name).unwrap_or_default();
+        if !same_secret(sent.as_bytes(), key.as_bytes()) {
             return Err(GatewayError::new(
                 ErrorKind::Forbidden,
                 format!("model load and unload need the header '{name}' with the configured key"),
@@ -173,6 +174,7 @@ impl Registry {
     /// `config.pbtxt` for this load. Returns once the new versions serve; on failure the
     /// old ones still do.
     pub async fn load_model(&self, name: &str, config: Option<String>) -> Result<(), GatewayError> {
+        ModelName::check(name).map_err(GatewayError::invalid)?;
         let root = self.control.repository.clone();
         let model = name.to_string();
         let scan = tokio::task::spawn_blocking(move || {
@@ -195,7 +197,18 @@ impl Registry {
         })
         .await
         .map_err(|e| GatewayError::new(ErrorKind::Internal, e.to_string()))??;
-        self.load_scanned(&scan, name).await
+        let loaded = self.load_scanned(&scan, name).await;
+        let in_repository = scan.models.iter().any(|m| m.name.as_str() == name)
+            || scan.failures.iter().any(|f| f.model == name);
+        if let (Err(e), true) = (&loaded, in_repository) {
+            // As Triton: the index says why a model of the repository is not served.
+            let _guard = self.control_lock.lock().await;
+            let mut table = (*self.models()).clone();
+            if table.versions(name).is_none() && record_failure(&mut table, name, &e.to_string()) {
+                self.replace_table(table);
+            }
+        }
+        loaded
     }
 
     /// Loads `name` as `scan` found it (see `load_model`).
@@ -258,6 +271,7 @@ impl Registry {
     /// `dependents` (Triton's `unload_dependents`), an ensemble's steps are unloaded too,
     /// unless another loaded ensemble uses them.
     pub async fn unload_model(&self, name: &str, dependents: bool) -> Result<(), GatewayError> {
+        ModelName::check(name).map_err(GatewayError::invalid)?;
         let _guard = self.control_lock.lock().await;
         let current = self.models();
         let key = ModelName::new(name);
@@ -375,6 +389,16 @@ impl Registry {
     }
 }
 
+/// Compares a sent key with the configured one in time that depends only on their
+/// lengths, not on where they differ.
+fn same_secret(sent: &[u8], key: &[u8]) -> bool {
+    let differ = sent
+        .iter()
+        .zip(key)
+        .fold(0u8, |acc, (a, b)| acc | std::hint::black_box(a ^ b));
+    differ == 0 && sent.len() == key.len()
+}
+
 pub fn mode_name(mode: ControlMode) -> &'static str {
     match mode {
         ControlMode::None => "none",
@@ -478,4 +502,18 @@ fn with_steps(scan: &ScanResult, name: &str) -> Result<Vec<RepositoryModel>, Str
         out.push(m.clone());
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_secret;
+
+    #[test]
+    fn only_the_same_key_matches() {
+        assert!(same_secret(b"s3cret", b"s3cret"));
+        assert!(!same_secret(b"s3cres", b"s3cret"));
+        assert!(!same_secret(b"s3cre", b"s3cret"));
+        assert!(!same_secret(b"s3crett", b"s3cret"));
+        assert!(!same_secret(b"", b"s3cret"));
+    }
 }

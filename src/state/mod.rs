@@ -16,6 +16,7 @@ pub use table::{ModelEntry, ModelTable};
 
 use crate::domain::{ModelVersion, Normalize};
 use crate::error::{ErrorKind, HasKind};
+use crate::pace::BodyPace;
 use crate::pipeline::ImagePipeline;
 use crate::preprocess::{PreprocessPool, PreprocessSettings};
 use crate::repository::RepositoryModel;
@@ -29,15 +30,6 @@ pub struct UploadLimits {
     pub max_file_bytes: u64,
     pub max_body_bytes: u64,
     pub pace: BodyPace,
-}
-
-/// How long a request body may keep the server waiting (see `http/body.rs`).
-#[derive(Debug, Clone, Copy)]
-pub struct BodyPace {
-    /// The most a client may keep the server waiting for its body in a row.
-    pub timeout: std::time::Duration,
-    /// Bytes per second that keep a body's budget full.
-    pub min_rate: u64,
 }
 
 /// One served version of a model. Cheap to clone (handles and `Arc`s).
@@ -93,6 +85,8 @@ impl ServedModel {
 /// Why a request's model cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum LookupError {
+    #[error("{0}")]
+    InvalidName(String),
     #[error("unknown model '{name}'{why}")]
     Unknown { name: String, why: String },
     #[error("model '{name}' has no version {version} loaded (loaded: {loaded})")]
@@ -115,7 +109,9 @@ impl HasKind for LookupError {
         match self {
             LookupError::Unknown { .. } | LookupError::NoSuchVersion { .. } => ErrorKind::NotFound,
             LookupError::NotReady { .. } => ErrorKind::NotReady,
-            LookupError::NotAnImageModel { .. } => ErrorKind::InvalidInput,
+            LookupError::NotAnImageModel { .. } | LookupError::InvalidName(_) => {
+                ErrorKind::InvalidInput
+            }
         }
     }
 }

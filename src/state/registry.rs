@@ -5,7 +5,7 @@
 use std::sync::{Arc, RwLock};
 
 use super::{BuildOptions, ControlSettings, LookupError, ModelTable, ServedModel};
-use crate::domain::ModelVersion;
+use crate::domain::{ModelName, ModelVersion};
 use crate::pipeline::ImagePipeline;
 use crate::repository::ScanResult;
 use crate::scheduler::ModelHandle;
@@ -57,6 +57,7 @@ impl Registry {
         name: &str,
         version: Option<ModelVersion>,
     ) -> Result<ServedModel, LookupError> {
+        ModelName::check(name).map_err(LookupError::InvalidName)?;
         let table = self.models();
         if let Some(served) = table.get(name, version) {
             return Ok(served.clone());

@@ -224,6 +224,19 @@ def test_undecodable_row_fails_the_request_naming_the_row(server, photos, kind):
     assert c.infer("ensemble_model", [ok]).as_numpy("output__0").shape == (1, 1000)
 
 
+@pytest.mark.parametrize("kind", BOTH)
+def test_an_output_requested_twice_is_refused(server, photos, kind):
+    """A 2 KB request must not buy a response 32 times larger: each output once (Triton)."""
+    mod, c = client(kind, server)
+    inp = raw_image_input(mod, read_and_pad_images([photos[0]]))
+    outputs = [mod.InferRequestedOutput("output__0") for _ in range(32)]
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("ensemble_model", [inp], outputs=outputs)
+    expected = "400" if kind == "http" else "StatusCode.INVALID_ARGUMENT"
+    assert status_of(e.value, kind) == expected
+    assert "requested 32 times" in e.value.message(), e.value.message()
+
+
 def read_and_pad_images_arrays(arrays):
     longest = max(len(a) for a in arrays)
     return np.stack([np.pad(a, (0, longest - len(a))) for a in arrays])

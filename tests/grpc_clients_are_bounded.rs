@@ -1,0 +1,257 @@
+//! What a gRPC client may hold, tried as a hostile client would, over raw TCP and raw
+//! HTTP/2: connections past `--grpc-max-connections` are closed, a connection that never
+//! sends the HTTP/2 preface (or only the preface) is closed after the handshake timeout, an
+//! idle one after the idle timeout (but not while a stream is open on it), the server
+//! announces its stream limit, a message whose prefix claims more than the limit is
+//! refused, and one that stalls costs no resident memory and times out.
+mod common;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::TestGateway;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use visiongate::config::Config;
+use visiongate::grpc::pb;
+use visiongate::grpc::pb::grpc_inference_service_client::GrpcInferenceServiceClient;
+
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// An empty SETTINGS frame, then a SETTINGS ACK.
+const SETTINGS_AND_ACK: [u8; 18] = [0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0, 4, 1, 0, 0, 0, 0];
+
+fn config() -> Config {
+    let mut c = Config::for_tests();
+    c.grpc_max_connections = 4;
+    c.grpc_max_concurrent_streams = 17;
+    c.grpc_handshake_timeout_secs = 1;
+    c.grpc_idle_timeout_secs = 2;
+    c.grpc_max_message_bytes = 64 << 20;
+    c.body_timeout_secs = 2;
+    c
+}
+
+/// Reads until the server closes the connection; returns what it sent and when it closed
+/// (`None`: still open after `within`).
+async fn until_closed(conn: &mut TcpStream, within: Duration) -> (Vec<u8>, Option<Duration>) {
+    let started = Instant::now();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let left = match within.checked_sub(started.elapsed()) {
+            Some(left) => left,
+            None => return (got, None),
+        };
+        match tokio::time::timeout(left, conn.read(&mut buf)).await {
+            Err(_) => return (got, None),
+            Ok(Ok(0)) | Ok(Err(_)) => return (got, Some(started.elapsed())),
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+async fn client(
+    addr: std::net::SocketAddr,
+) -> GrpcInferenceServiceClient<tonic::transport::Channel> {
+    GrpcInferenceServiceClient::connect(format!("http://{addr}"))
+        .await
+        .expect("gRPC connects")
+}
+
+async fn live(c: &mut GrpcInferenceServiceClient<tonic::transport::Channel>) -> bool {
+    c.server_live(pb::ServerLiveRequest {}).await.is_ok()
+}
+
+/// A client whose connection is served: the places of connections just closed come back
+/// once the server has noticed, so this retries for a while.
+async fn served_client(
+    addr: std::net::SocketAddr,
+) -> GrpcInferenceServiceClient<tonic::transport::Channel> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut c = client(addr).await;
+        if live(&mut c).await {
+            return c;
+        }
+        assert!(Instant::now() < deadline, "no connection place came free");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A raw HTTP/2 `ModelInfer` call whose message prefix claims `claim` bytes, of which
+/// `sent` are sent; returns its grpc-status and how long it took. A connection refused
+/// for want of a place (those of clients just dropped come back once the server noticed)
+/// is tried again.
+async fn raw_infer(addr: std::net::SocketAddr, claim: u32, sent: usize) -> (String, Duration) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match try_raw_infer(addr, claim, sent).await {
+            Ok(answer) => return answer,
+            Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("no answer: {e}"),
+        }
+    }
+}
+
+async fn try_raw_infer(
+    addr: std::net::SocketAddr,
+    claim: u32,
+    sent: usize,
+) -> Result<(String, Duration), h2::Error> {
+    let started = Instant::now();
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (client, connection) = h2::client::handshake(tcp).await?;
+    tokio::spawn(connection);
+    let mut client = client.ready().await?;
+    let request = http::Request::post(format!(
+        "http://{addr}/inference.GRPCInferenceService/ModelInfer"
+    ))
+    .header("content-type", "application/grpc")
+    .header("te", "trailers")
+    .body(())
+    .unwrap();
+    let (response, mut stream) = client.send_request(request, false)?;
+    let mut data = vec![0u8];
+    data.extend_from_slice(&claim.to_be_bytes());
+    data.resize(5 + sent, 7);
+    stream.send_data(Bytes::from(data), false)?;
+    let (parts, mut body) = response.await?.into_parts();
+    let status = match parts.headers.get("grpc-status") {
+        Some(s) => s.to_str().unwrap().to_string(),
+        None => {
+            while let Some(d) = body.data().await {
+                let d = d?;
+                let _ = body.flow_control().release_capacity(d.len());
+            }
+            let trailers = body.trailers().await?.unwrap_or_default();
+            trailers
+                .get("grpc-status")
+                .map(|s| s.to_str().unwrap().to_string())
+                .unwrap_or_default()
+        }
+    };
+    drop(stream);
+    Ok((status, started.elapsed()))
+}
+
+fn resident_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn grpc_connections_streams_and_messages_are_bounded() {
+    let gw = TestGateway::start_fake(config(), Duration::from_millis(5)).await;
+    let addr = gw.gateway.as_ref().unwrap().grpc_addr;
+
+    // Silent connections, and one that sends only the preface: closed after the handshake
+    // timeout (1 s), not before.
+    let opened = Instant::now();
+    let mut silent = TcpStream::connect(addr).await.unwrap();
+    let mut preface_only = TcpStream::connect(addr).await.unwrap();
+    preface_only.write_all(PREFACE).await.unwrap();
+    for conn in [&mut silent, &mut preface_only] {
+        let (_, closed) = until_closed(conn, Duration::from_secs(5)).await;
+        assert!(closed.is_some(), "not closed after the handshake timeout");
+        let after = opened.elapsed();
+        assert!(
+            after >= Duration::from_millis(800),
+            "closed after {after:?}"
+        );
+    }
+
+    // A connection that did its handshake and opens no call: closed after the idle timeout
+    // (2 s). The server's SETTINGS announce the stream limit.
+    let mut idle = TcpStream::connect(addr).await.unwrap();
+    idle.write_all(PREFACE).await.unwrap();
+    idle.write_all(&SETTINGS_AND_ACK).await.unwrap();
+    let (sent, closed) = until_closed(&mut idle, Duration::from_secs(8)).await;
+    let closed = closed.expect("an idle connection is closed");
+    assert!(
+        closed >= Duration::from_millis(1800),
+        "closed after {closed:?}"
+    );
+    let settings_len = u32::from_be_bytes([0, sent[0], sent[1], sent[2]]) as usize;
+    assert_eq!(sent[3], 4, "the server starts with SETTINGS");
+    let max_streams = sent[9..9 + settings_len]
+        .chunks(6)
+        .find(|s| u16::from_be_bytes([s[0], s[1]]) == 3)
+        .map(|s| u32::from_be_bytes([s[2], s[3], s[4], s[5]]));
+    assert_eq!(max_streams, Some(17), "SETTINGS_MAX_CONCURRENT_STREAMS");
+
+    // A stream left open longer than the idle timeout keeps its connection.
+    let mut streaming = client(addr).await;
+    let (requests, rx) = tokio::sync::mpsc::channel::<pb::ModelInferRequest>(1);
+    let mut responses = streaming
+        .model_stream_infer(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .expect("the stream opens")
+        .into_inner();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    requests
+        .send(pb::ModelInferRequest {
+            model_name: "no_such_model".into(),
+            id: "late".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(5), responses.message())
+        .await
+        .expect("the stream still answers")
+        .expect("no stream error")
+        .expect("an answer");
+    assert!(answer.error_message.contains("no_such_model"), "{answer:?}");
+    drop((requests, responses, streaming));
+
+    // At most 4 connections: a fifth is closed as it is accepted; one freed is reusable.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(served_client(addr).await);
+    }
+    let mut fifth = TcpStream::connect(addr).await.unwrap();
+    fifth.write_all(PREFACE).await.unwrap();
+    let (_, closed) = until_closed(&mut fifth, Duration::from_secs(3)).await;
+    assert!(
+        closed.is_some_and(|c| c < Duration::from_millis(500)),
+        "a fifth connection was kept: {closed:?}"
+    );
+    held.pop();
+    served_client(addr).await;
+    drop(held);
+
+    // A prefix claiming more than the limit (64 MiB): refused at once (OUT_OF_RANGE).
+    let (status, took) = raw_infer(addr, u32::MAX >> 1, 10).await;
+    assert_eq!(status, "11", "grpc-status");
+    assert!(took < Duration::from_secs(1), "{took:?}");
+
+    // Messages within the limit that stall: no resident memory held, DEADLINE_EXCEEDED
+    // once the body budget (2 s) is spent.
+    let before = resident_bytes();
+    let stalled: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(raw_infer(addr, 60 << 20, 1000)))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let grown = resident_bytes().saturating_sub(before);
+    assert!(
+        grown < 64 << 20,
+        "3 stalled 60 MiB messages raised resident memory by {} MiB",
+        grown >> 20
+    );
+    for call in stalled {
+        let (status, took) = call.await.unwrap();
+        assert_eq!(status, "4", "grpc-status DEADLINE_EXCEEDED");
+        assert!(took >= Duration::from_millis(1800), "{took:?}");
+    }
+
+    // Still serving.
+    served_client(addr).await;
+    gw.stop().await;
+}
