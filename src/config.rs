@@ -242,6 +242,16 @@ impl Config {
                  must be at least 1"
                 .into());
         }
+        const DAY_SECS: u64 = 86_400;
+        if self.body_timeout_secs > DAY_SECS
+            || self.exit_timeout_secs > DAY_SECS
+            || self.grpc_idle_timeout_secs > DAY_SECS
+            || self.grpc_handshake_timeout_secs > DAY_SECS
+            || self.grpc_keepalive_time > DAY_SECS * 1000
+            || self.grpc_keepalive_timeout > DAY_SECS * 1000
+        {
+            return Err("timeouts and intervals must be at most a day".into());
+        }
         let api_key =
             match &self.repository_control_key {
                 None => None,

@@ -3,7 +3,11 @@
 //! and that every byte received refills (one second per `--body-min-rate` bytes, up to the
 //! full budget), as Apache's `mod_reqtimeout` does: a body sent at the minimum rate or
 //! faster never runs out, one that stalls runs out after the budget. Time the server spends
-//! not reading (an upload paced by decoding) is not the client's.
+//! not reading (an upload paced by decoding) is not the client's, with one approximation:
+//! a wait is measured from a read that found nothing to the next read, so when the server
+//! pauses right after such a read, the pause counts too. The refill of every chunk (30 s
+//! for 30 KiB at the default rate) keeps that from mattering short of pauses near the
+//! whole budget.
 use std::future::Future;
 use std::pin::Pin;
 use std::task::Context;

@@ -209,8 +209,8 @@ async fn classify(
             Err(_) => std::future::pending().await, // the upload was read whole
         }
     };
-    // The queue place is taken before the upload is read (a full queue answers 503 at
-    // once); rows then enter the queue as their decode finishes.
+    // A full queue answers 503 at once; otherwise the queue place is taken with the first
+    // decoded image, and rows enter the queue as their decode finishes.
     let run = std::pin::pin!(pipeline.classify(
         &state.pool,
         options,

@@ -165,17 +165,47 @@ pub fn dct_scale(width: usize, height: usize, min_side: u32) -> ScalingFactor {
 /// small file with hundreds of repeated scans costs seconds of CPU.
 const MAX_JPEG_SCANS: u32 = 100;
 
+/// The scans (SOS segments) of a JPEG, found by walking its marker segments up to its
+/// end (EOI): segments are skipped by their length (an EXIF thumbnail's scans are not
+/// counted), scan data up to the next marker, and what follows EOI (a motion photo's
+/// video) is not read. Stops once past `limit`.
+fn count_scans(b: &[u8], limit: usize) -> usize {
+    let mut scans = 0;
+    let mut i = 2; // after SOI
+    while i + 1 < b.len() && scans <= limit {
+        if b[i] != 0xFF {
+            i += 1;
+            continue;
+        }
+        match b[i + 1] {
+            0xFF => i += 1, // fill byte
+            0xD9 => break,  // EOI
+            0x01 | 0xD0..=0xD7 => i += 2,
+            marker => {
+                let Some(length) = b.get(i + 2..i + 4) else {
+                    break;
+                };
+                i += 2 + u16::from_be_bytes([length[0], length[1]]) as usize;
+                if marker == 0xDA {
+                    scans += 1;
+                    // Entropy-coded data: up to a marker other than a stuffed 00 or RSTn.
+                    while i + 1 < b.len()
+                        && !(b[i] == 0xFF && b[i + 1] != 0 && !(0xD0..=0xD7).contains(&b[i + 1]))
+                    {
+                        i += 1;
+                    }
+                }
+            }
+        }
+    }
+    scans
+}
+
 fn decode_jpeg(bytes: &[u8], settings: &PreprocessSettings) -> Result<Rgb, PreprocessError> {
     let invalid = |e: turbojpeg::Error| PreprocessError::Invalid(format!("JPEG: {e}"));
-    // Scan headers counted before any decoding (entropy-coded data never holds FF DA, so
-    // this counts them all, plus those of an EXIF thumbnail), so a scan bomb costs one
-    // pass over its bytes; libjpeg-turbo's own limit stays as the exact guard.
-    let scans = bytes
-        .windows(2)
-        .filter(|w| *w == [0xFF, 0xDA])
-        .take(MAX_JPEG_SCANS as usize + 1)
-        .count();
-    if scans > MAX_JPEG_SCANS as usize {
+    // Scans counted before any decoding, so a scan bomb costs one pass over its bytes;
+    // libjpeg-turbo's own limit stays as the exact guard.
+    if count_scans(bytes, MAX_JPEG_SCANS as usize) > MAX_JPEG_SCANS as usize {
         return Err(PreprocessError::Invalid(format!(
             "JPEG: more than {MAX_JPEG_SCANS} scans (a progressive image has about 10)"
         )));
@@ -396,9 +426,19 @@ mod tests {
         let e = decode_into(bytes, &settings(), &mut out).unwrap_err();
         assert_eq!(e.code(), "invalid_image");
         assert!(e.to_string().contains("scans"), "{e}");
-        // An ordinary progressive JPEG (Pillow's, 10 scans) still decodes.
+        // An ordinary progressive JPEG (Pillow's, 10 scans) still decodes, also with a
+        // motion photo's video (full of FF DA pairs) after its end.
         let ordinary = include_bytes!("../../tests/fixtures/generated/progressive.jpg");
-        decode_into(ordinary, &settings(), &mut out).unwrap();
+        assert_eq!(count_scans(ordinary, 100), 10);
+        let mut motion_photo = ordinary.to_vec();
+        motion_photo.extend(std::iter::repeat_n([0xFF, 0xDA, 0x00, 0x04], 1000).flatten());
+        assert_eq!(count_scans(&motion_photo, 100), 10);
+        decode_into(&motion_photo, &settings(), &mut out).unwrap();
+        assert_eq!(
+            count_scans(bytes, 100),
+            101,
+            "counting stops past the limit"
+        );
     }
 
     #[test]

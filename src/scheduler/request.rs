@@ -80,6 +80,11 @@ impl ModelHandle {
         spec: RequestSpec,
         rows: impl Stream<Item = RowIn<F>>,
     ) -> RunResult<F> {
+        // Refused at once, before any row is read, when it would be at its first row.
+        if let Err(e) = self.would_admit(spec.options) {
+            self.account(outcome_of_error(&e), Instant::now());
+            return Err(RunError::Scheduler(e));
+        }
         let mut rows = std::pin::pin!(rows);
         let mut arriving = Arriving::new(self);
         let first = rows.next().await;
@@ -106,14 +111,25 @@ impl ModelHandle {
         result
     }
 
-    /// Takes one place in the model's queue, or refuses at once; never waits for room.
-    fn admit(&self, options: RequestOptions) -> Result<Admission, SchedulerError> {
+    /// Whether the model would take a request now: ready, not retired, a queue place free.
+    fn would_admit(&self, options: RequestOptions) -> Result<usize, SchedulerError> {
         let inner = &self.inner;
         let model = || inner.name.to_string();
         if !self.is_ready() || inner.retired.load(Ordering::SeqCst) {
             return Err(SchedulerError::NotReady { model: model() });
         }
         let level = inner.policy.level(options.priority);
+        if inner.queue_places[level].available_permits() == 0 {
+            return Err(SchedulerError::Overloaded { model: model() });
+        }
+        Ok(level)
+    }
+
+    /// Takes one place in the model's queue, or refuses at once; never waits for room.
+    fn admit(&self, options: RequestOptions) -> Result<Admission, SchedulerError> {
+        let inner = &self.inner;
+        let model = || inner.name.to_string();
+        let level = self.would_admit(options)?;
         let permit = inner.queue_places[level]
             .clone()
             .try_acquire_owned()
