@@ -3,14 +3,12 @@
 //! and that every byte received refills (one second per `--body-min-rate` bytes, up to the
 //! full budget), as Apache's `mod_reqtimeout` does: a body sent at the minimum rate or
 //! faster never runs out, one that stalls runs out after the budget. Time the server spends
-//! not reading (an upload paced by decoding) is not the client's, with one approximation:
-//! a wait is measured from a read that found nothing to the next read, so when the server
-//! pauses right after such a read, the pause counts too. The refill of every chunk (30 s
-//! for 30 KiB at the default rate) keeps that from mattering short of pauses near the
-//! whole budget.
+//! not reading (an upload paced by decoding) is not the client's: a wait runs from a read
+//! that found nothing to the wake-up that said more had come, not to the next read.
 use std::future::Future;
 use std::pin::Pin;
-use std::task::Context;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use tokio::time::{Instant, Sleep};
@@ -41,13 +39,23 @@ impl BodyPace {
     }
 }
 
-/// One body's budget. Its owner reports each poll of the body: data (`received`), the end
-/// or an error (`settled`), or nothing yet (`exhausted`).
+/// One body's budget, kept by its owner polling the body through `poll`.
 pub struct Budget {
     pace: BodyPace,
     left: Duration,
+    /// Since when the server has waited for the client, if it is waiting.
     waiting_since: Option<Instant>,
     timer: Pin<Box<Sleep>>,
+    wakes: Arc<WakeTime>,
+}
+
+/// What one poll of a body came to.
+pub enum Step<T> {
+    /// The body's item or its end, passed on.
+    Ready(Option<T>),
+    Pending,
+    /// The client kept the server waiting past its budget.
+    Stalled,
 }
 
 impl Budget {
@@ -57,33 +65,96 @@ impl Budget {
             left: pace.timeout,
             waiting_since: None,
             timer: Box::pin(tokio::time::sleep(pace.timeout)),
+            wakes: Arc::default(),
         }
     }
 
-    /// `bytes` arrived: the wait before them is charged, the bytes refill the budget.
-    pub fn received(&mut self, bytes: usize) {
-        self.settled();
-        let refill = Duration::from_secs_f64(bytes as f64 / self.pace.min_rate.max(1) as f64);
-        self.left = (self.left + refill).min(self.pace.timeout);
-    }
-
-    /// The body's poll ended without data pending (data, its end, an error): the wait is
-    /// charged.
-    pub fn settled(&mut self) {
-        if let Some(since) = self.waiting_since.take() {
-            self.left = self.left.saturating_sub(since.elapsed());
+    /// Polls the body with `poll`. `size` is how many bytes an item carries. While the
+    /// client `rests` (a stream between messages), waiting is free and the budget full.
+    pub fn poll<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        rests: bool,
+        poll: impl FnOnce(&mut Context<'_>) -> Poll<Option<T>>,
+        size: impl FnOnce(&T) -> usize,
+    ) -> Step<T> {
+        let woken = self.wakes.take(cx.waker());
+        let waker = Waker::from(self.wakes.clone());
+        let polled = poll(&mut Context::from_waker(&waker));
+        if !matches!(polled, Poll::Pending) {
+            if let Some(since) = self.waiting_since.take() {
+                let until = woken.unwrap_or_else(Instant::now);
+                self.left = self
+                    .left
+                    .saturating_sub(until.saturating_duration_since(since));
+            }
+        }
+        match polled {
+            Poll::Ready(Some(item)) => {
+                let refill = size(&item) as f64 / self.pace.min_rate.max(1) as f64;
+                self.left = (self.left + Duration::from_secs_f64(refill)).min(self.pace.timeout);
+                Step::Ready(Some(item))
+            }
+            Poll::Ready(None) => Step::Ready(None),
+            Poll::Pending if rests => {
+                self.left = self.pace.timeout;
+                self.waiting_since = None;
+                Step::Pending
+            }
+            Poll::Pending => {
+                let since = *self.waiting_since.get_or_insert_with(Instant::now);
+                let deadline = since + self.left;
+                if self.timer.deadline() != deadline {
+                    self.timer.as_mut().reset(deadline);
+                }
+                if self.timer.as_mut().poll(cx).is_ready() {
+                    Step::Stalled
+                } else {
+                    Step::Pending
+                }
+            }
         }
     }
+}
 
-    /// The body has nothing yet: whether the client has spent its budget. When not, `cx`
-    /// is woken by the time it will have.
-    pub fn exhausted(&mut self, cx: &mut Context<'_>) -> bool {
-        let since = *self.waiting_since.get_or_insert_with(Instant::now);
-        let deadline = since + self.left;
-        if self.timer.deadline() != deadline {
-            self.timer.as_mut().reset(deadline);
+/// The waker a body is polled with: it records when the body first woke its task after a
+/// poll, then passes the wake on.
+#[derive(Default)]
+struct WakeTime {
+    inner: Mutex<WakeState>,
+}
+
+#[derive(Default)]
+struct WakeState {
+    woken: Option<Instant>,
+    task: Option<Waker>,
+}
+
+impl WakeTime {
+    /// When the body woke the task since the last poll, if it did; `task` is woken from now.
+    fn take(&self, task: &Waker) -> Option<Instant> {
+        let mut state = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if !state.task.as_ref().is_some_and(|t| t.will_wake(task)) {
+            state.task = Some(task.clone());
         }
-        self.timer.as_mut().poll(cx).is_ready()
+        state.woken.take()
+    }
+}
+
+impl Wake for WakeTime {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let task = {
+            let mut state = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            state.woken.get_or_insert_with(Instant::now);
+            state.task.clone()
+        };
+        if let Some(task) = task {
+            task.wake();
+        }
     }
 }
 
@@ -98,42 +169,54 @@ mod tests {
         }
     }
 
-    fn waker_cx() -> Context<'static> {
-        Context::from_waker(std::task::Waker::noop())
+    /// A body that has nothing yet: whether its client has now spent the budget.
+    fn stalled(budget: &mut Budget) -> bool {
+        stalled_resting(budget, false)
+    }
+
+    fn stalled_resting(budget: &mut Budget, rests: bool) -> bool {
+        let mut cx = Context::from_waker(Waker::noop());
+        let step = budget.poll(&mut cx, rests, |_| Poll::<Option<usize>>::Pending, |n| *n);
+        matches!(step, Step::Stalled)
+    }
+
+    /// A body that has `n` bytes.
+    fn receive(budget: &mut Budget, n: usize) {
+        let mut cx = Context::from_waker(Waker::noop());
+        let step = budget.poll(&mut cx, false, |_| Poll::Ready(Some(n)), |n| *n);
+        assert!(matches!(step, Step::Ready(Some(_))));
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_stalled_body_runs_out_after_the_budget() {
         let mut budget = Budget::new(pace());
-        let mut cx = waker_cx();
-        assert!(!budget.exhausted(&mut cx));
+        assert!(!stalled(&mut budget));
         tokio::time::advance(Duration::from_millis(9_900)).await;
-        assert!(!budget.exhausted(&mut cx));
+        assert!(!stalled(&mut budget));
         tokio::time::advance(Duration::from_millis(200)).await;
-        assert!(budget.exhausted(&mut cx));
+        assert!(stalled(&mut budget));
     }
 
     #[tokio::test(start_paused = true)]
     async fn bytes_at_the_minimum_rate_keep_it_full_and_a_trickle_does_not() {
         let mut budget = Budget::new(pace());
-        let mut cx = waker_cx();
         // 1000 bytes a second, for a minute: never runs out.
         for _ in 0..60 {
-            assert!(!budget.exhausted(&mut cx));
+            assert!(!stalled(&mut budget));
             tokio::time::advance(Duration::from_secs(1)).await;
-            budget.received(1000);
+            receive(&mut budget, 1000);
         }
         // One byte every 2 s: out after about the budget.
         let started = Instant::now();
         loop {
-            if budget.exhausted(&mut cx) {
+            if stalled(&mut budget) {
                 break;
             }
             tokio::time::advance(Duration::from_secs(2)).await;
-            if budget.exhausted(&mut cx) {
+            if stalled(&mut budget) {
                 break;
             }
-            budget.received(1);
+            receive(&mut budget, 1);
         }
         let took = started.elapsed();
         assert!(
@@ -145,10 +228,49 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn time_not_spent_waiting_is_not_charged() {
         let mut budget = Budget::new(pace());
-        let mut cx = waker_cx();
-        budget.received(10);
+        receive(&mut budget, 10);
         // The server does not read for a minute (the upload is paced by decoding).
         tokio::time::advance(Duration::from_secs(60)).await;
-        assert!(!budget.exhausted(&mut cx));
+        assert!(!stalled(&mut budget));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_after_the_body_woke_the_server_is_not_charged() {
+        let mut budget = Budget::new(pace());
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut body_waker = None;
+        let step = budget.poll(
+            &mut cx,
+            false,
+            |cx| {
+                body_waker = Some(cx.waker().clone());
+                Poll::<Option<usize>>::Pending
+            },
+            |n| *n,
+        );
+        assert!(matches!(step, Step::Pending));
+        // The bytes come after 1 s; the server reads them a minute later.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        body_waker.expect("the body kept a waker").wake();
+        tokio::time::advance(Duration::from_secs(60)).await;
+        receive(&mut budget, 10);
+        // 1 s was charged: 9 s (and 10 ms of refill) are left.
+        assert!(!stalled(&mut budget));
+        tokio::time::advance(Duration::from_millis(8_900)).await;
+        assert!(!stalled(&mut budget));
+        tokio::time::advance(Duration::from_millis(200)).await;
+        assert!(stalled(&mut budget));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_resting_client_keeps_its_budget_full() {
+        let mut budget = Budget::new(pace());
+        assert!(!stalled(&mut budget));
+        tokio::time::advance(Duration::from_secs(9)).await;
+        assert!(!stalled_resting(&mut budget, true));
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert!(!stalled(&mut budget));
+        tokio::time::advance(Duration::from_millis(9_900)).await;
+        assert!(!stalled(&mut budget));
     }
 }

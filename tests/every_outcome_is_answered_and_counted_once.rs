@@ -164,16 +164,8 @@ impl Harness {
                         );
                     }
                     let request = pb::ModelInferRequest {
-                        model_name: "ensemble_model".into(),
-                        inputs: vec![pb::model_infer_request::InferInputTensor {
-                            name: "RAW_IMAGE".into(),
-                            datatype: "UINT8".into(),
-                            shape: vec![1, image.len() as i64],
-                            ..Default::default()
-                        }],
-                        raw_input_contents: vec![image.into()],
                         parameters,
-                        ..Default::default()
+                        ..common::ensemble_request(image)
                     };
                     match client.model_infer(request).await {
                         Ok(r) => {

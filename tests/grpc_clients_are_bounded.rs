@@ -101,6 +101,20 @@ async fn try_raw_infer(
     sent: usize,
 ) -> Result<(String, Duration), h2::Error> {
     let started = Instant::now();
+    let (response, mut stream) = open_infer(addr).await?;
+    let mut data = vec![0u8];
+    data.extend_from_slice(&claim.to_be_bytes());
+    data.resize(5 + sent, 7);
+    stream.send_data(Bytes::from(data), false)?;
+    let status = grpc_status(response).await?;
+    drop(stream);
+    Ok((status, started.elapsed()))
+}
+
+/// A `ModelInfer` call over raw HTTP/2: its headers are sent, its body is the caller's.
+async fn open_infer(
+    addr: std::net::SocketAddr,
+) -> Result<(h2::client::ResponseFuture, h2::SendStream<Bytes>), h2::Error> {
     let tcp = TcpStream::connect(addr).await.unwrap();
     let (client, connection) = h2::client::handshake(tcp).await?;
     tokio::spawn(connection);
@@ -112,28 +126,24 @@ async fn try_raw_infer(
     .header("te", "trailers")
     .body(())
     .unwrap();
-    let (response, mut stream) = client.send_request(request, false)?;
-    let mut data = vec![0u8];
-    data.extend_from_slice(&claim.to_be_bytes());
-    data.resize(5 + sent, 7);
-    stream.send_data(Bytes::from(data), false)?;
+    client.send_request(request, false)
+}
+
+/// The call's grpc-status, from its headers or its trailers.
+async fn grpc_status(response: h2::client::ResponseFuture) -> Result<String, h2::Error> {
     let (parts, mut body) = response.await?.into_parts();
-    let status = match parts.headers.get("grpc-status") {
-        Some(s) => s.to_str().unwrap().to_string(),
-        None => {
-            while let Some(d) = body.data().await {
-                let d = d?;
-                let _ = body.flow_control().release_capacity(d.len());
-            }
-            let trailers = body.trailers().await?.unwrap_or_default();
-            trailers
-                .get("grpc-status")
-                .map(|s| s.to_str().unwrap().to_string())
-                .unwrap_or_default()
-        }
-    };
-    drop(stream);
-    Ok((status, started.elapsed()))
+    if let Some(s) = parts.headers.get("grpc-status") {
+        return Ok(s.to_str().unwrap().to_string());
+    }
+    while let Some(d) = body.data().await {
+        let d = d?;
+        let _ = body.flow_control().release_capacity(d.len());
+    }
+    let trailers = body.trailers().await?.unwrap_or_default();
+    Ok(trailers
+        .get("grpc-status")
+        .map(|s| s.to_str().unwrap().to_string())
+        .unwrap_or_default())
 }
 
 fn resident_bytes() -> u64 {
@@ -254,4 +264,39 @@ async fn grpc_connections_streams_and_messages_are_bounded() {
     // Still serving.
     served_client(addr).await;
     gw.stop().await;
+}
+
+/// A unary call is admitted when its headers arrive: one whose message is still arriving
+/// as the stop begins is waited for and answered in full.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_call_still_sending_its_message_when_the_stop_begins_is_answered() {
+    let mut gw = TestGateway::start_fake(config(), Duration::from_millis(5)).await;
+    let addr = gw.gateway.as_ref().unwrap().grpc_addr;
+    let message = prost::Message::encode_to_vec(&common::ensemble_request(common::solid_png(200)));
+    let mut framed = vec![0u8];
+    framed.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    framed.extend_from_slice(&message);
+    let (response, mut stream) = open_infer(addr).await.expect("the call opens");
+    let half = framed.split_off(framed.len() / 2);
+    stream.send_data(Bytes::from(framed), false).unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let gateway = gw.gateway.take().unwrap();
+    let stopping = tokio::spawn(gateway.stop());
+    let ready = gw.url("/v2/health/ready");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while gw.client.get(&ready).send().await.unwrap().status() != 503 {
+        assert!(Instant::now() < deadline, "readiness still says yes");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stream.send_data(Bytes::from(half), true).unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(10), grpc_status(response))
+        .await
+        .expect("answered")
+        .expect("no HTTP/2 error");
+    assert_eq!(status, "0", "grpc-status");
+    tokio::time::timeout(Duration::from_secs(10), stopping)
+        .await
+        .expect("the stop ends once the call is answered")
+        .unwrap();
 }

@@ -23,7 +23,9 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tonic::body::Body;
 use tonic::Status;
 
-use crate::pace::{BodyPace, Budget};
+use crate::error::GatewayError;
+use crate::pace::{BodyPace, Budget, Step};
+use crate::state::{Drain, Work};
 
 /// The HTTP/2 client preface (24 bytes) and the header of its first SETTINGS frame.
 const HANDSHAKE_BYTES: usize = 24 + 9;
@@ -224,10 +226,12 @@ impl tonic::transport::server::Connected for Conn {
 }
 
 /// The tower layer that counts each call as open on its connection until its response is
-/// done, and holds its request body to `pace`.
-#[derive(Clone, Copy)]
+/// done, and holds its request body to `pace`. A unary inference call is admitted by the
+/// `drain` as its headers arrive, so a stop waits for a message still being received.
+#[derive(Clone)]
 pub struct CallLayer {
     pub pace: BodyPace,
+    pub drain: Arc<Drain>,
 }
 
 impl<S> tower::Layer<S> for CallLayer {
@@ -237,6 +241,7 @@ impl<S> tower::Layer<S> for CallLayer {
         Calls {
             inner,
             pace: self.pace,
+            drain: self.drain.clone(),
         }
     }
 }
@@ -245,12 +250,14 @@ impl<S> tower::Layer<S> for CallLayer {
 pub struct Calls<S> {
     inner: S,
     pace: BodyPace,
+    drain: Arc<Drain>,
 }
 
 impl<S, B> tower::Service<http::Request<Body>> for Calls<S>
 where
     S: tower::Service<http::Request<Body>, Response = http::Response<B>>,
     S::Future: Send + 'static,
+    S::Error: Send + 'static,
     B: http_body::Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
@@ -263,18 +270,37 @@ where
     }
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        let path = request.uri().path();
+        // Each message of a stream is admitted on its own (`model_stream_infer`).
+        let work = if path.ends_with("/ModelInfer") {
+            match self.drain.admit() {
+                Ok(work) => Some(work),
+                Err(e) => {
+                    let refused = Status::from(GatewayError::from(e)).into_http();
+                    return Box::pin(std::future::ready(Ok(refused)));
+                }
+            }
+        } else {
+            None
+        };
+        // Only a stream's client may rest between its messages.
+        let streaming = path.ends_with("/ModelStreamInfer");
         let open = request
             .extensions()
             .get::<ConnInfo>()
             .map(|info| OpenCall::new(info.activity.clone()));
-        // Only a stream's client may rest between its messages.
-        let streaming = request.uri().path().ends_with("/ModelStreamInfer");
         let pace = self.pace;
         let request = request.map(|body| Body::new(PacedBody::new(body, pace, streaming)));
         let call = self.inner.call(request);
         Box::pin(async move {
             let response = call.await?;
-            Ok(response.map(|body| Body::new(Holding { body, _open: open })))
+            Ok(response.map(|body| {
+                Body::new(Holding {
+                    body,
+                    _open: open,
+                    _work: work,
+                })
+            }))
         })
     }
 }
@@ -297,10 +323,11 @@ impl Drop for OpenCall {
     }
 }
 
-/// A response body that keeps its call open until it is done.
+/// A response body that keeps its call open, and its work admitted, until it is done.
 struct Holding<B> {
     body: B,
     _open: Option<OpenCall>,
+    _work: Option<Work>,
 }
 
 impl<B: http_body::Body + Unpin> http_body::Body for Holding<B> {
@@ -400,27 +427,34 @@ impl http_body::Body for PacedBody {
         if this.ended {
             return Poll::Ready(None);
         }
-        match Pin::new(&mut this.body).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                let data = frame.data_ref().map_or(&[][..], |d| &d[..]);
-                this.framing.feed(data);
-                this.budget.received(data.len());
+        // Only a stream's client may rest, and only between its messages.
+        let rests = this.streaming && this.framing.between_messages();
+        let body = &mut this.body;
+        let step = this.budget.poll(
+            cx,
+            rests,
+            |cx| Pin::new(body).poll_frame(cx),
+            |item| match item {
+                Ok(frame) => frame.data_ref().map_or(0, Bytes::len),
+                Err(_) => 0,
+            },
+        );
+        match step {
+            Step::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    this.framing.feed(data);
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(other) => {
-                this.budget.settled();
+            Step::Ready(other) => {
                 this.ended = true;
                 Poll::Ready(other)
             }
-            Poll::Pending if this.streaming && this.framing.between_messages() => {
-                this.budget = Budget::new(this.pace);
-                Poll::Pending
-            }
-            Poll::Pending if this.budget.exhausted(cx) => {
+            Step::Pending => Poll::Pending,
+            Step::Stalled => {
                 this.ended = true;
                 Poll::Ready(Some(Err(Status::from(this.pace.stalled()))))
             }
-            Poll::Pending => Poll::Pending,
         }
     }
 

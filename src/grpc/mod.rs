@@ -45,6 +45,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     kill: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
+    let drain = service.drain();
     let server = pb::grpc_inference_service_server::GrpcInferenceServiceServer::new(service)
         .max_decoding_message_size(settings.max_message_bytes)
         .max_encoding_message_size(settings.max_message_bytes);
@@ -56,6 +57,7 @@ pub async fn serve(
         .http2_max_local_error_reset_streams(Some(1024))
         .layer(conn::CallLayer {
             pace: settings.pace,
+            drain,
         })
         .add_service(server)
         .serve_with_incoming_shutdown(

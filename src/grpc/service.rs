@@ -10,7 +10,7 @@ use super::convert;
 use super::pb::{self, grpc_inference_service_server::GrpcInferenceService};
 use crate::error::GatewayError;
 use crate::kserve;
-use crate::state::{load_parameters, unload_parameters, AppState, ControlParam};
+use crate::state::{load_parameters, unload_parameters, AppState, ControlParam, Drain};
 
 #[derive(Clone)]
 pub struct InferenceService {
@@ -20,6 +20,10 @@ pub struct InferenceService {
 impl InferenceService {
     pub fn new(state: Arc<AppState>) -> Self {
         Self { state }
+    }
+
+    pub fn drain(&self) -> Arc<Drain> {
+        self.state.drain.clone()
     }
 }
 
@@ -122,8 +126,7 @@ impl GrpcInferenceService for InferenceService {
         &self,
         request: Request<pb::ModelInferRequest>,
     ) -> Result<Response<pb::ModelInferResponse>, Status> {
-        // A stopping server finishes this request before it closes the listeners.
-        let _work = self.state.drain.admit().map_err(GatewayError::from)?;
+        // Admitted by the drain as its headers arrived (`conn::Calls`).
         let r = request.into_inner();
         // The model first: an unknown model is NOT_FOUND whatever its inputs look like.
         let served = kserve::resolve(&self.state, &r.model_name, version(&r.model_version))?;

@@ -10,7 +10,7 @@ use actix_web::HttpRequest;
 use futures_util::Stream;
 
 use crate::error::{ErrorKind, GatewayError};
-use crate::pace::{BodyPace, Budget};
+use crate::pace::{BodyPace, Budget, Step};
 
 /// `Content-Length` over `limit`: 413 before any of the body is read.
 pub fn check_length(req: &HttpRequest, limit: u64) -> Result<(), GatewayError> {
@@ -65,24 +65,25 @@ where
         if this.ended {
             return Poll::Ready(None);
         }
-        match Pin::new(&mut this.inner).poll_next(cx) {
-            Poll::Ready(Some(Ok(bytes))) => {
-                this.budget.received(bytes.len());
-                Poll::Ready(Some(Ok(bytes)))
+        let inner = &mut this.inner;
+        match this.budget.poll(
+            cx,
+            false,
+            |cx| Pin::new(inner).poll_next(cx),
+            |item| item.as_ref().map_or(0, Bytes::len),
+        ) {
+            Step::Ready(item) => {
+                this.ended = !matches!(item, Some(Ok(_)));
+                Poll::Ready(item)
             }
-            Poll::Ready(other) => {
-                this.budget.settled();
-                this.ended = true;
-                Poll::Ready(other)
-            }
-            Poll::Pending if this.budget.exhausted(cx) => {
+            Step::Pending => Poll::Pending,
+            Step::Stalled => {
                 this.ended = true;
                 Poll::Ready(Some(Err(PayloadError::Io(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     "the request body stopped arriving",
                 )))))
             }
-            Poll::Pending => Poll::Pending,
         }
     }
 }

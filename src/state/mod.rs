@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 pub use build::{batch_policy, batch_size_choice, plan_instances, BuildOptions};
 pub use control::{load_parameters, unload_parameters, ControlMode, ControlParam, ControlSettings};
-pub use drain::{Drain, ShuttingDown, Work};
+pub use drain::{Drain, Work};
 pub use registry::Registry;
 pub use table::{ModelEntry, ModelTable};
 

@@ -199,6 +199,22 @@ pub fn with_preferred(model: &str, text: &str, preferred: &str) -> String {
 }
 
 /// A 32x32 PNG of one colour; the fake engine classifies it as `red`.
+/// A gRPC `ModelInfer` request for the bundled ensemble with one encoded image.
+pub fn ensemble_request(image: Vec<u8>) -> visiongate::grpc::pb::ModelInferRequest {
+    use visiongate::grpc::pb;
+    pb::ModelInferRequest {
+        model_name: "ensemble_model".into(),
+        inputs: vec![pb::model_infer_request::InferInputTensor {
+            name: "RAW_IMAGE".into(),
+            datatype: "UINT8".into(),
+            shape: vec![1, image.len() as i64],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![image.into()],
+        ..Default::default()
+    }
+}
+
 pub fn solid_png(red: u8) -> Vec<u8> {
     let img = image::RgbImage::from_pixel(32, 32, image::Rgb([red, 100, 50]));
     let mut out = std::io::Cursor::new(Vec::new());
