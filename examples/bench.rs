@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use visiongate::engine::{BatchInput, Engine, OutputRequest, TorchEngine};
-use visiongate::preprocess::{decode_into, PreprocessSettings};
+use visiongate::preprocess::{decode_into, DecodeBudget, PreprocessSettings};
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -90,7 +90,8 @@ fn decode(files: &[Vec<u8>], threads: usize, min_side: u32, rounds: usize) -> f6
                 for r in 0..rounds {
                     for (i, f) in files.iter().enumerate() {
                         if (r * files.len() + i) % threads == k {
-                            decode_into(f, &settings, &mut out).unwrap();
+                            decode_into(f, &settings, &DecodeBudget::unlimited(), &mut out)
+                                .unwrap();
                         }
                     }
                 }

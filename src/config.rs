@@ -158,6 +158,13 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_DECODE_THREADS", default_value_t = 0)]
     pub decode_threads: usize,
 
+    /// Memory, in bytes, that all decode threads together may hold for decoded images. A
+    /// decode reserves what it needs (estimated from the image's header) and waits while
+    /// that is not free; an image that alone needs more is refused (`image_too_large`).
+    /// 0: a quarter of the machine's memory, or of the container's limit when lower.
+    #[arg(long, env = "VISIONGATE_DECODE_MEMORY_BYTES", default_value_t = 0)]
+    pub decode_memory_bytes: u64,
+
     /// libtorch intra-op threads per model instance. 1 is best when there are as many CPU
     /// instances as cores: more threads per instance spin-wait against each other. GPU
     /// instances keep to it too, leaving the cores to decoding.
@@ -206,11 +213,42 @@ pub enum Tf32 {
     Off,
 }
 
+/// The memory this process may use: the machine's, or its container's limit (cgroup v2,
+/// else v1) when lower. 4 GiB when neither can be read.
+fn memory_limit() -> u64 {
+    let read =
+        |path: &str| -> Option<u64> { std::fs::read_to_string(path).ok()?.trim().parse().ok() };
+    let machine = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            let kib = text.lines().find_map(|l| l.strip_prefix("MemTotal:"))?;
+            kib.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+                .map(|k| k * 1024)
+        });
+    // "max" (no limit) does not parse and v1's "no limit" is a huge number: both are
+    // passed over by `min`.
+    [
+        machine,
+        read("/sys/fs/cgroup/memory.max"),
+        read("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+    ]
+    .into_iter()
+    .flatten()
+    .min()
+    .unwrap_or(4 << 30)
+}
+
 /// Validated settings, passed down as one struct.
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub config: Config,
     pub decode_threads: usize,
+    /// Bytes of decoded images all decode threads together may hold.
+    pub decode_memory: u64,
     pub http_workers: usize,
     /// How long a stopping server lets the requests under way finish.
     pub exit_timeout: Duration,
@@ -281,6 +319,11 @@ impl Config {
                 (cores / 2).max(1)
             } else {
                 self.decode_threads
+            },
+            decode_memory: if self.decode_memory_bytes == 0 {
+                memory_limit() / 4
+            } else {
+                self.decode_memory_bytes
             },
             http_workers: if self.http_workers == 0 {
                 cores

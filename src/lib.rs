@@ -134,6 +134,7 @@ impl Gateway {
                 pace,
             },
             settings.decode_threads,
+            settings.decode_memory,
         ));
         let poll_stop = tokio_util::sync::CancellationToken::new();
         let poll_task = (settings.control.mode == state::ControlMode::Poll).then(|| {

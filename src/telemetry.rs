@@ -3,8 +3,8 @@
 //! Metric names follow Triton where Triton has the metric, so existing dashboards work;
 //! visiongate's own carry the `visiongate_` prefix. Each gateway owns its registry.
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 pub fn init() {
@@ -46,6 +46,7 @@ pub struct Metrics {
     pub batch_size: HistogramVec,
     pub instance_executions: IntCounterVec,
     pub decode_seconds: Histogram,
+    pub decode_memory_bytes: IntGauge,
 }
 
 const MV: &[&str] = &["model", "version"];
@@ -149,6 +150,14 @@ impl Metrics {
         registry
             .register(Box::new(decode_seconds.clone()))
             .expect("unique metric");
+        let decode_memory_bytes = IntGauge::new(
+            "visiongate_decode_memory_bytes",
+            "Memory reserved by images being decoded, out of --decode-memory-bytes",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(decode_memory_bytes.clone()))
+            .expect("unique metric");
         Metrics {
             registry,
             request_success,
@@ -166,6 +175,7 @@ impl Metrics {
             batch_size,
             instance_executions,
             decode_seconds,
+            decode_memory_bytes,
         }
     }
 

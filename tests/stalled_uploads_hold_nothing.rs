@@ -1,7 +1,8 @@
 //! Slow and stalled clients: 300 uploads that send their headers and part of a file, then
 //! stop, hold no queue place (a normal `/predict` still gets its 200), and each is answered
 //! 408 `request_timeout` once its body budget runs out. A `Content-Length` over the limit
-//! is answered 413 before any of the body is sent.
+//! is answered 413 before any of the body is sent. A preamble or a part's header block
+//! that goes on and on is answered 400 as soon as it passes its limit.
 mod common;
 
 use std::time::{Duration, Instant};
@@ -114,6 +115,69 @@ async fn stalled_uploads_hold_no_queue_place_and_get_408() {
         status_of(&mut conn, Duration::from_secs(BODY_TIMEOUT_SECS + 10)).await,
         Some(408)
     );
+
+    // Still serving.
+    let r = gw.predict("", &[photo("small", "sk_chelsea.jpg")]).await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    gw.stop().await;
+}
+
+/// The response waiting on `conn` (within `within`): its status and body.
+async fn answer_of(conn: &mut TcpStream, within: Duration) -> Option<(u16, String)> {
+    let deadline = Instant::now() + within;
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&got).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().to_string())
+                })
+                .and_then(|v| v.parse::<usize>().ok())?;
+            if body.len() >= length {
+                return Some((head[9..12].parse().ok()?, body.to_string()));
+            }
+        }
+        let left = deadline.checked_duration_since(Instant::now())?;
+        match tokio::time::timeout(left, conn.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return None,
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_endless_preamble_or_part_header_is_refused_at_its_limit() {
+    let gw = TestGateway::start_fake(Config::for_tests(), Duration::from_millis(5)).await;
+    let addr = gw.gateway.as_ref().unwrap().http_addr;
+    let head = "POST /predict HTTP/1.1\r\nHost: test\r\n\
+                Content-Type: multipart/form-data; boundary=XyZ\r\nContent-Length: 67108864\r\n\r\n";
+    let endless_header = format!(
+        "--XyZ\r\nContent-Disposition: form-data; name=\"files\"; filename=\"a.jpg\"\r\nX-Pad: {}",
+        "a".repeat(100 << 10)
+    );
+    let preamble = "x".repeat(100 << 10);
+    for (body, mentions) in [
+        (preamble.as_str(), "preamble"),
+        (endless_header.as_str(), "headers of part 1"),
+    ] {
+        let mut conn = TcpStream::connect(addr).await.unwrap();
+        conn.write_all(head.as_bytes()).await.unwrap();
+        // The rest of the 64 MiB never comes: the answer must not wait for it.
+        let _ = conn.write_all(body.as_bytes()).await;
+        let (status, text) = answer_of(&mut conn, Duration::from_secs(5))
+            .await
+            .unwrap_or_else(|| panic!("no answer to a body that goes on ({mentions})"));
+        assert_eq!(status, 400, "{text}");
+        let json: serde_json::Value = serde_json::from_str(&text).expect("a JSON error");
+        assert_eq!(json["code"], "invalid_input", "{json}");
+        let message = json["error"].as_str().unwrap();
+        assert!(message.contains(mentions), "{message}");
+    }
 
     // Still serving.
     let r = gw.predict("", &[photo("small", "sk_chelsea.jpg")]).await;

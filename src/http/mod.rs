@@ -2,6 +2,7 @@
 mod body;
 mod client;
 mod health;
+pub mod multipart;
 pub mod openapi;
 mod predict;
 mod v2;

@@ -5,15 +5,14 @@
 //! an error entry and never changes the other files' results.
 use std::time::{Duration, Instant};
 
-use actix_multipart::Multipart;
 use actix_web::http::header;
 use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::BytesMut;
 use futures_util::future::Either;
-use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
+use super::multipart::{self, Event, Parser, Parts, ReadError};
 use super::{body, client};
 use crate::domain::RequestOptions;
 use crate::engine::OutputRequest;
@@ -110,15 +109,14 @@ fn too_large(message: impl Into<String>) -> GatewayError {
     GatewayError::new(ErrorKind::PayloadTooLarge, message)
 }
 
-fn multipart_error(e: actix_multipart::MultipartError, pace: BodyPace) -> GatewayError {
+fn upload_error(e: ReadError<actix_web::error::PayloadError>, pace: BodyPace) -> GatewayError {
     use actix_web::error::PayloadError;
     match e {
-        actix_multipart::MultipartError::Payload(p) if body::is_stall(&p) => pace.stalled(),
+        ReadError::Body(p) if body::is_stall(&p) => pace.stalled(),
         // The connection ended before the body did: the client left mid-upload.
-        actix_multipart::MultipartError::Payload(
-            PayloadError::Incomplete(_) | PayloadError::Io(_),
-        ) => client::left(),
-        e => GatewayError::invalid(format!("malformed multipart body: {e}")),
+        ReadError::Body(PayloadError::Incomplete(_) | PayloadError::Io(_)) => client::left(),
+        ReadError::Body(e) => GatewayError::invalid(format!("cannot read the body: {e}")),
+        ReadError::Malformed(e) => GatewayError::invalid(e.to_string()),
     }
 }
 
@@ -313,55 +311,76 @@ async fn read_parts(
 ) -> Result<(), GatewayError> {
     let limits = &state.limits;
     let pace = limits.pace;
-    let mut multipart = Multipart::new(req.headers(), body::Paced::new(payload, pace));
+    let content_type = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let boundary =
+        multipart::boundary(content_type).map_err(|e| GatewayError::invalid(e.to_string()))?;
+    // Files, and as many other form fields (FastAPI's limits: 1000 of each).
+    let parser = Parser::new(&boundary, limits.max_files.saturating_mul(2));
+    let mut parts = Parts::new(body::Paced::new(payload, pace), parser);
     let mut body_bytes: u64 = 0;
-    while let Some(field) = multipart.next().await {
-        let mut field = field.map_err(|e| multipart_error(e, pace))?;
-        let is_file = field.name().is_some_and(|n| FILE_FIELDS.contains(&n));
-        if is_file && names.len() == limits.max_files {
-            return Err(too_large(format!(
-                "too many files: at most {} per request",
-                limits.max_files
-            )));
-        }
-        let filename = field
-            .content_disposition()
-            .and_then(|cd| cd.get_filename())
-            .map(str::to_string)
-            .unwrap_or_else(|| format!("file{}", names.len()));
-        let mut data = BytesMut::new();
-        let mut size: u64 = 0;
-        while let Some(chunk) = field.next().await {
-            let chunk = chunk.map_err(|e| multipart_error(e, pace))?;
-            body_bytes += chunk.len() as u64;
-            if body_bytes > limits.max_body_bytes {
-                return Err(too_large(format!(
-                    "request body is larger than {} bytes",
-                    limits.max_body_bytes
-                )));
+    // The file part being read: its content so far and its size.
+    let mut file: Option<(BytesMut, u64)> = None;
+    while let Some(event) = parts.next().await.map_err(|e| upload_error(e, pace))? {
+        match event {
+            Event::Part(head) => {
+                let is_file = head
+                    .name
+                    .as_deref()
+                    .is_some_and(|n| FILE_FIELDS.contains(&n));
+                if !is_file {
+                    continue; // other form fields are ignored, as FastAPI does
+                }
+                if names.len() == limits.max_files {
+                    return Err(too_large(format!(
+                        "too many files: at most {} per request",
+                        limits.max_files
+                    )));
+                }
+                names.push(
+                    head.filename
+                        .unwrap_or_else(|| format!("file{}", names.len())),
+                );
+                file = Some((BytesMut::new(), 0));
             }
-            size += chunk.len() as u64;
-            // Past the per-file limit keep reading (to reach the next part) but drop it.
-            if is_file && size <= limits.max_file_bytes {
-                data.extend_from_slice(&chunk);
+            Event::Data(chunk) => {
+                body_bytes += chunk.len() as u64;
+                if body_bytes > limits.max_body_bytes {
+                    return Err(too_large(format!(
+                        "request body is larger than {} bytes",
+                        limits.max_body_bytes
+                    )));
+                }
+                if let Some((data, size)) = &mut file {
+                    *size += chunk.len() as u64;
+                    // Past the per-file limit keep reading (to reach the next part) but
+                    // drop it.
+                    if *size <= limits.max_file_bytes {
+                        data.extend_from_slice(&chunk);
+                    }
+                }
             }
-        }
-        if !is_file {
-            continue; // other form fields are ignored, as FastAPI does
-        }
-        let image = if size > limits.max_file_bytes {
-            Encoded::Failed(PreprocessError::FileTooLarge {
-                size,
-                limit: limits.max_file_bytes,
-            })
-        } else if data.is_empty() {
-            Encoded::Failed(PreprocessError::Empty)
-        } else {
-            Encoded::Image(data.freeze())
-        };
-        names.push(filename);
-        if files.send(image).await.is_err() {
-            break; // the request ended: its error answers it
+            Event::PartEnd => {
+                let Some((data, size)) = file.take() else {
+                    continue;
+                };
+                let image = if size > limits.max_file_bytes {
+                    Encoded::Failed(PreprocessError::FileTooLarge {
+                        size,
+                        limit: limits.max_file_bytes,
+                    })
+                } else if data.is_empty() {
+                    Encoded::Failed(PreprocessError::Empty)
+                } else {
+                    Encoded::Image(data.freeze())
+                };
+                if files.send(image).await.is_err() {
+                    break; // the request ended: its error answers it
+                }
+            }
         }
     }
     Ok(())

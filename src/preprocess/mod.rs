@@ -3,8 +3,11 @@
 //! JPEG goes through libjpeg-turbo with DCT-domain scaling; PNG, WebP, BMP and GIF (first
 //! frame) through the `image` crate. EXIF orientation is applied, grey/CMYK become RGB,
 //! alpha is dropped. Dimensions are read from the header and checked against the pixel
-//! limit before any pixel buffer is allocated. Normalization to f32 happens on the device.
+//! limit before any pixel buffer is allocated; the memory the decode will hold is then
+//! reserved from the decode budget shared by all decode threads (`budget.rs`).
+//! Normalization to f32 happens on the device.
 
+mod budget;
 mod exif;
 mod pool;
 
@@ -13,12 +16,15 @@ use std::io::Cursor;
 use fast_image_resize::{
     self as fr, images::Image as FrImage, PixelType, ResizeAlg, ResizeOptions,
 };
-use image::ImageFormat;
+use image::{ImageDecoder, ImageFormat};
 use turbojpeg::{Colorspace, Decompressor, PixelFormat, ScalingFactor};
 
 use crate::error::{ErrorKind, HasKind};
 
+pub use budget::DecodeBudget;
 pub use pool::{PreprocessPool, Row};
+
+use budget::Reserved;
 
 /// What the preprocessor produces and what it accepts.
 #[derive(Debug, Clone, PartialEq)]
@@ -56,6 +62,16 @@ pub enum PreprocessError {
     },
     #[error("the file is {size} bytes, above the limit of {limit}")]
     FileTooLarge { size: u64, limit: u64 },
+    #[error(
+        "decoding this {width}x{height} image takes about {bytes} bytes of memory, above the \
+         decode memory budget of {budget} bytes"
+    )]
+    OverBudget {
+        width: u64,
+        height: u64,
+        bytes: u64,
+        budget: u64,
+    },
 }
 
 impl HasKind for PreprocessError {
@@ -63,9 +79,9 @@ impl HasKind for PreprocessError {
         match self {
             PreprocessError::Empty | PreprocessError::Invalid(_) => ErrorKind::InvalidInput,
             PreprocessError::Unsupported(_) => ErrorKind::UnsupportedMediaType,
-            PreprocessError::TooLarge { .. } | PreprocessError::FileTooLarge { .. } => {
-                ErrorKind::PayloadTooLarge
-            }
+            PreprocessError::TooLarge { .. }
+            | PreprocessError::FileTooLarge { .. }
+            | PreprocessError::OverBudget { .. } => ErrorKind::PayloadTooLarge,
         }
     }
 }
@@ -77,16 +93,20 @@ impl PreprocessError {
             PreprocessError::Empty => "empty_file",
             PreprocessError::Unsupported(_) => "unsupported_format",
             PreprocessError::Invalid(_) => "invalid_image",
-            PreprocessError::TooLarge { .. } => "image_too_large",
+            PreprocessError::TooLarge { .. } | PreprocessError::OverBudget { .. } => {
+                "image_too_large"
+            }
             PreprocessError::FileTooLarge { .. } => "file_too_large",
         }
     }
 }
 
-/// Decodes `bytes` and writes the resized RGB image into `out` (`row_len()` bytes, HWC).
+/// Decodes `bytes` and writes the resized RGB image into `out` (`row_len()` bytes, HWC),
+/// holding the memory it takes reserved from `budget` meanwhile.
 pub fn decode_into(
     bytes: &[u8],
     settings: &PreprocessSettings,
+    budget: &DecodeBudget,
     out: &mut [u8],
 ) -> Result<(), PreprocessError> {
     assert_eq!(
@@ -101,9 +121,9 @@ pub fn decode_into(
         PreprocessError::Invalid("the content is not a recognised image format".into())
     })?;
     let decoded = match format {
-        ImageFormat::Jpeg => decode_jpeg(bytes, settings)?,
+        ImageFormat::Jpeg => decode_jpeg(bytes, settings, budget)?,
         ImageFormat::Png | ImageFormat::WebP | ImageFormat::Bmp | ImageFormat::Gif => {
-            decode_with_image(bytes, format, settings)?
+            decode_with_image(bytes, format, settings, budget)?
         }
         other => {
             return Err(PreprocessError::Unsupported(format!(
@@ -115,11 +135,19 @@ pub fn decode_into(
     resize_oriented(decoded, orientation, settings, out)
 }
 
-/// A decoded RGB8 image, tightly packed.
-struct Rgb {
+/// A decoded RGB8 image, tightly packed, with the memory reserved for it and its resize.
+struct Rgb<'a> {
     width: u32,
     height: u32,
     pixels: Vec<u8>,
+    _reserved: Reserved<'a>,
+}
+
+/// What resizing a `width`x`height` image holds besides it: the convolution's
+/// intermediate image, one pass done (at most the long side of the source by that of the
+/// output, both ways).
+fn resize_bytes(width: u64, height: u64, settings: &PreprocessSettings) -> u64 {
+    (width + height) * u64::from(settings.width.max(settings.height)) * 3
 }
 
 fn check_pixels(
@@ -201,11 +229,16 @@ fn count_scans(b: &[u8], limit: usize) -> usize {
     scans
 }
 
-fn decode_jpeg(bytes: &[u8], settings: &PreprocessSettings) -> Result<Rgb, PreprocessError> {
+fn decode_jpeg<'a>(
+    bytes: &[u8],
+    settings: &PreprocessSettings,
+    budget: &'a DecodeBudget,
+) -> Result<Rgb<'a>, PreprocessError> {
     let invalid = |e: turbojpeg::Error| PreprocessError::Invalid(format!("JPEG: {e}"));
     // Scans counted before any decoding, so a scan bomb costs one pass over its bytes;
     // libjpeg-turbo's own limit stays as the exact guard.
-    if count_scans(bytes, MAX_JPEG_SCANS as usize) > MAX_JPEG_SCANS as usize {
+    let scans = count_scans(bytes, MAX_JPEG_SCANS as usize);
+    if scans > MAX_JPEG_SCANS as usize {
         return Err(PreprocessError::Invalid(format!(
             "JPEG: more than {MAX_JPEG_SCANS} scans (a progressive image has about 10)"
         )));
@@ -224,6 +257,21 @@ fn decode_jpeg(bytes: &[u8], settings: &PreprocessSettings) -> Result<Rgb, Prepr
     } else {
         (PixelFormat::RGB, 3)
     };
+    // The output (and its RGB copy for CMYK); with more than one scan, libjpeg also holds
+    // every DCT coefficient of the full-size image (2 bytes a sample, each component at
+    // most full size).
+    let (full, scaled_px) = (header.width as u64 * header.height as u64, (w * h) as u64);
+    let mut need = scaled_px * channels as u64 + if cmyk { scaled_px * 3 } else { 0 };
+    if scans > 1 {
+        let components = match header.colorspace {
+            Colorspace::Gray => 1,
+            Colorspace::CMYK | Colorspace::YCCK => 4,
+            _ => 3,
+        };
+        need += full * 2 * components;
+    }
+    need += resize_bytes(w as u64, h as u64, settings);
+    let reserved = budget.reserve(need, header.width as u64, header.height as u64)?;
     let mut pixels = vec![0u8; w * h * channels];
     d.decompress(
         bytes,
@@ -243,6 +291,7 @@ fn decode_jpeg(bytes: &[u8], settings: &PreprocessSettings) -> Result<Rgb, Prepr
         width: w as u32,
         height: h as u32,
         pixels,
+        _reserved: reserved,
     })
 }
 
@@ -259,26 +308,41 @@ fn cmyk_to_rgb(cmyk: &[u8]) -> Vec<u8> {
     rgb
 }
 
-fn decode_with_image(
+fn decode_with_image<'a>(
     bytes: &[u8],
     format: ImageFormat,
     settings: &PreprocessSettings,
-) -> Result<Rgb, PreprocessError> {
+    budget: &'a DecodeBudget,
+) -> Result<Rgb<'a>, PreprocessError> {
     let invalid = |e: image::ImageError| PreprocessError::Invalid(format!("{format:?}: {e}"));
-    let reader = || image::ImageReader::with_format(Cursor::new(bytes), format);
-    let (w, h) = reader().into_dimensions().map_err(invalid)?;
-    check_pixels(w as u64, h as u64, settings)?;
-    let mut r = reader();
+    let mut reader = image::ImageReader::with_format(Cursor::new(bytes), format);
     let mut limits = image::Limits::default();
-    // Header already checked; this also bounds what a lying header could make it allocate.
+    // The header is checked below; this also bounds what a lying header could make it
+    // allocate.
     limits.max_alloc = Some(settings.max_pixels.saturating_mul(8).max(64 << 20));
-    r.limits(limits);
-    let img = r.decode().map_err(invalid)?;
+    reader.limits(limits);
+    let decoder = reader.into_decoder().map_err(invalid)?;
+    let (w, h) = decoder.dimensions();
+    let (w, h) = (u64::from(w), u64::from(h));
+    check_pixels(w, h, settings)?;
+    // The image in the decoder's colour type, then its RGB8 copy unless it is RGB8; lossy
+    // WebP is decoded through Y, U and V planes first (1.5 bytes a pixel).
+    let mut need = decoder.total_bytes();
+    if decoder.color_type() != image::ColorType::Rgb8 {
+        need += w * h * 3;
+    }
+    if format == ImageFormat::WebP {
+        need += w * h * 3 / 2;
+    }
+    need += resize_bytes(w, h, settings);
+    let reserved = budget.reserve(need, w, h)?;
+    let img = image::DynamicImage::from_decoder(decoder).map_err(invalid)?;
     let rgb = img.into_rgb8();
     Ok(Rgb {
         width: rgb.width(),
         height: rgb.height(),
         pixels: rgb.into_raw(),
+        _reserved: reserved,
     })
 }
 
@@ -372,7 +436,7 @@ mod tests {
         ] {
             let bytes = encode(img.clone(), format);
             let mut out = vec![0; settings().row_len()];
-            decode_into(&bytes, &settings(), &mut out)
+            decode_into(&bytes, &settings(), &DecodeBudget::unlimited(), &mut out)
                 .unwrap_or_else(|e| panic!("{format:?}: {e}"));
             let left = pixel(&out, 20, 100);
             let right = pixel(&out, 200, 100);
@@ -398,11 +462,23 @@ mod tests {
         ));
         for (img, want) in [(grey.clone(), [77, 77, 77]), (rgba, [10, 200, 30])] {
             let mut out = vec![0; settings().row_len()];
-            decode_into(&encode(img, ImageFormat::Png), &settings(), &mut out).unwrap();
+            decode_into(
+                &encode(img, ImageFormat::Png),
+                &settings(),
+                &DecodeBudget::unlimited(),
+                &mut out,
+            )
+            .unwrap();
             assert_eq!(pixel(&out, 100, 100), want);
         }
         let mut out = vec![0; settings().row_len()];
-        decode_into(&encode(grey, ImageFormat::Jpeg), &settings(), &mut out).unwrap();
+        decode_into(
+            &encode(grey, ImageFormat::Jpeg),
+            &settings(),
+            &DecodeBudget::unlimited(),
+            &mut out,
+        )
+        .unwrap();
         let p = pixel(&out, 100, 100);
         assert!(p.iter().all(|&c| (c as i32 - 77).abs() <= 2), "{p:?}");
     }
@@ -412,7 +488,7 @@ mod tests {
         // Written by Pillow: Image.new("CMYK", (64, 48), (0, 255, 255, 0)) is pure red.
         let bytes = include_bytes!("../../tests/fixtures/generated/red_cmyk.jpg");
         let mut out = vec![0; settings().row_len()];
-        decode_into(bytes, &settings(), &mut out).unwrap();
+        decode_into(bytes, &settings(), &DecodeBudget::unlimited(), &mut out).unwrap();
         let p = pixel(&out, 112, 112);
         assert!(p[0] > 230 && p[1] < 30 && p[2] < 30, "{p:?}");
     }
@@ -423,7 +499,7 @@ mod tests {
         // to decode without the limit.
         let bytes = include_bytes!("../../tests/fixtures/generated/scan_bomb.jpg");
         let mut out = vec![0; settings().row_len()];
-        let e = decode_into(bytes, &settings(), &mut out).unwrap_err();
+        let e = decode_into(bytes, &settings(), &DecodeBudget::unlimited(), &mut out).unwrap_err();
         assert_eq!(e.code(), "invalid_image");
         assert!(e.to_string().contains("scans"), "{e}");
         // An ordinary progressive JPEG (Pillow's, 10 scans) still decodes, also with a
@@ -433,7 +509,13 @@ mod tests {
         let mut motion_photo = ordinary.to_vec();
         motion_photo.extend(std::iter::repeat_n([0xFF, 0xDA, 0x00, 0x04], 1000).flatten());
         assert_eq!(count_scans(&motion_photo, 100), 10);
-        decode_into(&motion_photo, &settings(), &mut out).unwrap();
+        decode_into(
+            &motion_photo,
+            &settings(),
+            &DecodeBudget::unlimited(),
+            &mut out,
+        )
+        .unwrap();
         assert_eq!(
             count_scans(bytes, 100),
             101,
@@ -444,7 +526,11 @@ mod tests {
     #[test]
     fn bad_files_get_their_own_error_codes() {
         let mut out = vec![0; settings().row_len()];
-        let mut run = |b: &[u8]| decode_into(b, &settings(), &mut out).unwrap_err().code();
+        let mut run = |b: &[u8]| {
+            decode_into(b, &settings(), &DecodeBudget::unlimited(), &mut out)
+                .unwrap_err()
+                .code()
+        };
         assert_eq!(run(b""), "empty_file");
         assert_eq!(run(b"hello, this is text"), "invalid_image");
         let jpeg = encode(
@@ -466,7 +552,7 @@ mod tests {
             ImageFormat::Png,
         );
         let mut out = vec![0; small.row_len()];
-        let err = decode_into(&png, &small, &mut out).unwrap_err();
+        let err = decode_into(&png, &small, &DecodeBudget::unlimited(), &mut out).unwrap_err();
         assert_eq!(err.code(), "image_too_large");
         // A header claiming 60000x60000 with no data behind it is refused before decoding.
         let mut jpeg = encode(
@@ -475,8 +561,52 @@ mod tests {
         );
         let sof = jpeg.windows(2).position(|w| w == [0xFF, 0xC0]).unwrap();
         jpeg[sof + 5..sof + 9].copy_from_slice(&[0xEA, 0x60, 0xEA, 0x60]);
-        let err = decode_into(&jpeg, &settings(), &mut out_for(&settings())).unwrap_err();
+        let err = decode_into(
+            &jpeg,
+            &settings(),
+            &DecodeBudget::unlimited(),
+            &mut out_for(&settings()),
+        )
+        .unwrap_err();
         assert_eq!(err.code(), "image_too_large", "{err}");
+    }
+
+    #[test]
+    fn an_image_whose_decode_needs_more_than_the_budget_is_refused() {
+        let mut out = out_for(&settings());
+        let refused = |bytes: &[u8], budget: u64| {
+            let limited = DecodeBudget::new(budget, None);
+            let err = decode_into(bytes, &settings(), &limited, &mut vec![0; 224 * 224 * 3]);
+            let err = err.err()?;
+            assert_eq!(err.code(), "image_too_large", "{err}");
+            assert!(err
+                .to_string()
+                .contains(&format!("budget of {budget} bytes")));
+            Some(())
+        };
+        // 1000x1000 RGBA: 4 MB decoded plus its 3 MB RGB copy, and the resize's 1.3 MB.
+        let rgba = encode(
+            image::DynamicImage::ImageRgba8(image::RgbaImage::new(1000, 1000)),
+            ImageFormat::Png,
+        );
+        assert!(refused(&rgba, 8_000_000).is_some());
+        assert!(refused(&rgba, 8_400_000).is_none());
+        // 64x48: a baseline JPEG needs its pixels and the resize's (84 KB); a progressive
+        // one the DCT coefficients of every scan as well (18 KB more).
+        let baseline = encode(
+            image::DynamicImage::ImageRgb8(halves(64, 48)),
+            ImageFormat::Jpeg,
+        );
+        let progressive = include_bytes!("../../tests/fixtures/generated/progressive.jpg");
+        assert!(refused(&baseline, 90_000).is_none());
+        assert!(refused(progressive, 90_000).is_some());
+        decode_into(
+            progressive,
+            &settings(),
+            &DecodeBudget::unlimited(),
+            &mut out,
+        )
+        .unwrap();
     }
 
     fn out_for(s: &PreprocessSettings) -> Vec<u8> {
@@ -493,7 +623,13 @@ mod tests {
         );
         let with_exif = exif::tests::with_orientation(&jpeg, 6);
         let mut out = out_for(&settings());
-        decode_into(&with_exif, &settings(), &mut out).unwrap();
+        decode_into(
+            &with_exif,
+            &settings(),
+            &DecodeBudget::unlimited(),
+            &mut out,
+        )
+        .unwrap();
         let top = pixel(&out, 112, 20);
         let bottom = pixel(&out, 112, 200);
         assert!(top[0] > 200 && top[2] < 50, "top {top:?}");

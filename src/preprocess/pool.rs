@@ -5,7 +5,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use tokio::sync::oneshot;
 
-use super::{decode_into, PreprocessError, PreprocessSettings};
+use super::{decode_into, DecodeBudget, PreprocessError, PreprocessSettings};
 use crate::telemetry::Metrics;
 
 /// One row of a model's input: a preprocessed image (u8 HWC RGB of the model's input
@@ -29,14 +29,18 @@ pub struct PreprocessPool {
 impl PreprocessPool {
     /// `threads` decoding threads; `queue` tasks may wait for one. A full queue makes
     /// `submit` wait, which slows the upload that feeds it instead of buffering it all.
-    pub fn start(threads: usize, queue: usize, metrics: Arc<Metrics>) -> Self {
+    /// The threads together hold at most `memory` bytes of decoded images.
+    pub fn start(threads: usize, queue: usize, memory: u64, metrics: Arc<Metrics>) -> Self {
         let (tx, rx) = async_channel::bounded::<Task>(queue.max(1));
+        let budget = Arc::new(DecodeBudget::new(
+            memory,
+            Some(metrics.decode_memory_bytes.clone()),
+        ));
         for i in 0..threads.max(1) {
-            let rx = rx.clone();
-            let metrics = metrics.clone();
+            let (rx, metrics, budget) = (rx.clone(), metrics.clone(), budget.clone());
             std::thread::Builder::new()
                 .name(format!("decode/{i}"))
-                .spawn(move || worker(rx, metrics))
+                .spawn(move || worker(rx, metrics, budget))
                 .expect("spawning a decode thread");
         }
         Self { tasks: tx }
@@ -63,7 +67,7 @@ impl PreprocessPool {
     }
 }
 
-fn worker(rx: async_channel::Receiver<Task>, metrics: Arc<Metrics>) {
+fn worker(rx: async_channel::Receiver<Task>, metrics: Arc<Metrics>, budget: Arc<DecodeBudget>) {
     while let Ok(task) = rx.recv_blocking() {
         if task.reply.is_closed() {
             continue; // nobody waits for it (client went away)
@@ -71,7 +75,7 @@ fn worker(rx: async_channel::Receiver<Task>, metrics: Arc<Metrics>) {
         let started = std::time::Instant::now();
         let mut row = vec![0u8; task.settings.row_len()];
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            decode_into(&task.bytes, &task.settings, &mut row)
+            decode_into(&task.bytes, &task.settings, &budget, &mut row)
         }))
         .unwrap_or_else(|_| {
             Err(PreprocessError::Invalid(
@@ -91,7 +95,7 @@ mod tests {
 
     #[tokio::test]
     async fn pool_decodes_and_reports_errors_per_task() {
-        let pool = PreprocessPool::start(2, 4, Arc::new(Metrics::new()));
+        let pool = PreprocessPool::start(2, 4, 1 << 30, Arc::new(Metrics::new()));
         let settings = Arc::new(PreprocessSettings {
             width: 8,
             height: 8,

@@ -137,10 +137,12 @@ impl AppState {
         control: ControlSettings,
         limits: UploadLimits,
         decode_threads: usize,
+        decode_memory: u64,
     ) -> AppState {
         let metrics = opts.metrics.clone();
+        let queue = decode_threads * 4;
         AppState {
-            pool: PreprocessPool::start(decode_threads, decode_threads * 4, metrics.clone()),
+            pool: PreprocessPool::start(decode_threads, queue, decode_memory, metrics.clone()),
             registry: Registry::start(scan, opts, control),
             drain: Default::default(),
             limits,
