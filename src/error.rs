@@ -26,6 +26,8 @@ pub enum ErrorKind {
     /// The client went away before its answer (nobody reads this answer; it is counted).
     Cancelled,
     DeadlineExceeded,
+    /// The model failed on the batch the request's rows ran in (the log says why).
+    ModelFailed,
     Internal,
 }
 
@@ -39,7 +41,7 @@ const CLIENT_CLOSED_REQUEST: u16 = 499;
 
 impl ErrorKind {
     /// Every kind, for tables and tests.
-    pub const ALL: [ErrorKind; 12] = [
+    pub const ALL: [ErrorKind; 13] = [
         ErrorKind::InvalidInput,
         ErrorKind::UnsupportedMediaType,
         ErrorKind::PayloadTooLarge,
@@ -51,6 +53,7 @@ impl ErrorKind {
         ErrorKind::ShuttingDown,
         ErrorKind::Cancelled,
         ErrorKind::DeadlineExceeded,
+        ErrorKind::ModelFailed,
         ErrorKind::Internal,
     ];
 
@@ -68,6 +71,7 @@ impl ErrorKind {
             ErrorKind::ShuttingDown => "shutting_down",
             ErrorKind::Cancelled => "cancelled",
             ErrorKind::DeadlineExceeded => "deadline_exceeded",
+            ErrorKind::ModelFailed => "model_failed",
             ErrorKind::Internal => "internal",
         }
     }
@@ -87,7 +91,7 @@ impl ErrorKind {
             ErrorKind::DeadlineExceeded | ErrorKind::RequestTimeout => {
                 tonic::Code::DeadlineExceeded
             }
-            ErrorKind::Internal => tonic::Code::Internal,
+            ErrorKind::ModelFailed | ErrorKind::Internal => tonic::Code::Internal,
         }
     }
 
@@ -105,7 +109,7 @@ impl ErrorKind {
             ErrorKind::Cancelled => StatusCode::from_u16(CLIENT_CLOSED_REQUEST)
                 .expect("499 is within the valid status range"),
             ErrorKind::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
-            ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorKind::ModelFailed | ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 }
@@ -117,7 +121,7 @@ pub struct ErrorBody {
     pub error: String,
     /// Stable snake_case kind: `invalid_input`, `unsupported_media_type`,
     /// `payload_too_large`, `request_timeout`, `not_found`, `forbidden`, `not_ready`, `overloaded`,
-    /// `shutting_down`, `cancelled`, `deadline_exceeded`, `internal`.
+    /// `shutting_down`, `cancelled`, `deadline_exceeded`, `model_failed`, `internal`.
     pub code: String,
 }
 

@@ -25,7 +25,7 @@ use actix_web::{web, App, HttpServer};
 use anyhow::Context;
 
 use config::Settings;
-use engine::{Engine, FakeEngine, TorchEngine};
+use engine::{Engine, FakeFaults, TorchEngine};
 use scheduler::{EngineFactory, ModelState};
 use state::{AppState, BuildOptions, UploadLimits};
 
@@ -34,12 +34,12 @@ use state::{AppState, BuildOptions, UploadLimits};
 pub enum EngineChoice {
     /// libtorch, loading each model's TorchScript file.
     Torch,
-    /// The deterministic fake (tests): `num_classes` classes, `latency` per batch, and a
-    /// failed batch whenever a row's first byte is `fail_on_first_byte`.
+    /// The deterministic fake (tests): `num_classes` classes, `latency` per batch, and the
+    /// faults a test orders.
     Fake {
         num_classes: usize,
         latency: Duration,
-        fail_on_first_byte: Option<u8>,
+        faults: Arc<FakeFaults>,
     },
 }
 
@@ -99,14 +99,10 @@ impl Gateway {
             EngineChoice::Fake {
                 num_classes,
                 latency,
-                fail_on_first_byte,
+                faults,
             } => {
-                let factory: EngineFactory = Arc::new(move |_, _| {
-                    Ok(Box::new(FakeEngine {
-                        num_classes,
-                        latency,
-                        fail_on_first_byte,
-                    }) as Box<dyn Engine>)
+                let factory: EngineFactory = Arc::new(move |path, _| {
+                    Ok(Box::new(faults.load(path, num_classes, latency)?) as Box<dyn Engine>)
                 });
                 (factory, 0)
             }

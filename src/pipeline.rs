@@ -13,7 +13,7 @@ use crate::domain::{ModelName, ModelVersion, Normalize, RequestOptions};
 use crate::engine::OutputRequest;
 use crate::error::{ErrorKind, GatewayError};
 use crate::preprocess::{PreprocessError, PreprocessPool, PreprocessSettings, Row};
-use crate::scheduler::{ModelHandle, RequestSpec, RowFormat, RowIn, RunResult};
+use crate::scheduler::{ModelHandle, RequestSpec, RowError, RowFormat, RowIn, RunResult};
 
 /// What an image ensemble needs to serve requests end to end.
 #[derive(Clone)]
@@ -41,9 +41,9 @@ pub const DECODE_AHEAD: usize = 32;
 impl ImagePipeline {
     /// Classifies `images` in order. `bad_image(row, error)` says what an image that cannot
     /// be used becomes: `RowIn::Failed` (an error entry of its own) or `RowIn::Abort` (the
-    /// request's error). If `abort` resolves first, the request ends with its error at once,
+    /// request's error); `F` says the same of rows whose batch the model failed. If `abort` resolves first, the request ends with its error at once,
     /// ahead of the images still decoding.
-    pub async fn classify<F>(
+    pub async fn classify<F: RowError>(
         &self,
         pool: &PreprocessPool,
         options: RequestOptions,

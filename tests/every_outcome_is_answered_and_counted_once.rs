@@ -94,16 +94,14 @@ impl Harness {
                 &["model=\"classifier\"", &format!("reason=\"{reason}\"")],
             )
         };
-        let stats: serde_json::Value = self
+        let stats = self
             .gw
-            .client
-            .get(self.gw.url("/v2/models/classifier/stats"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+            .json(
+                self.gw
+                    .client
+                    .get(self.gw.url("/v2/models/classifier/stats")),
+            )
+            .await;
         let infer = &stats["model_stats"][0]["inference_stats"];
         Counts {
             success: common::metric_sum(
@@ -141,8 +139,12 @@ impl Harness {
                     let resp = client.post(url).multipart(form).send().await.unwrap();
                     let status = resp.status().as_u16();
                     let json: serde_json::Value = resp.json().await.unwrap();
-                    if status == 200 {
-                        Seen::Ok(json["results"][0]["class_id"].as_u64().unwrap())
+                    let file = &json["results"][0];
+                    if status == 200 && file["error"].is_object() {
+                        // A file whose batch failed: its own error, the request succeeds.
+                        Seen::Error(format!("200 {}", file["error"]["code"].as_str().unwrap()))
+                    } else if status == 200 {
+                        Seen::Ok(file["class_id"].as_u64().unwrap())
                     } else {
                         assert!(json["error"].as_str().is_some_and(|e| !e.is_empty()));
                         Seen::Error(format!("{status} {}", json["code"].as_str().unwrap()))
@@ -242,7 +244,10 @@ async fn every_outcome_is_answered_and_counted_once_over_http_and_grpc() {
         EngineChoice::Fake {
             num_classes: 1000,
             latency: LATENCY,
-            fail_on_first_byte: Some(FAILING),
+            faults: std::sync::Arc::new(visiongate::engine::FakeFaults {
+                fail_on_first_byte: Some(FAILING),
+                ..Default::default()
+            }),
         },
     )
     .await;
@@ -254,7 +259,11 @@ async fn every_outcome_is_answered_and_counted_once_over_http_and_grpc() {
 
     for transport in [Transport::Http, Transport::Grpc] {
         let (overloaded, expired, failed) = match transport {
-            Transport::Http => ("503 overloaded", "504 deadline_exceeded", "500 internal"),
+            Transport::Http => (
+                "503 overloaded",
+                "504 deadline_exceeded",
+                "200 model_failed",
+            ),
             Transport::Grpc => ("Unavailable", "DeadlineExceeded", "Internal"),
         };
         let at = |what: &str| format!("{transport:?}: {what}");
@@ -264,7 +273,8 @@ async fn every_outcome_is_answered_and_counted_once_over_http_and_grpc() {
         assert_eq!(h.send(transport, 7, None).await.unwrap(), Seen::Ok(7));
         let counts = h.counted(counts, 1.0, None, &at("completed")).await;
 
-        // Failed in the engine: the error says so; counted as BACKEND.
+        // Failed in the engine: the error says so (over HTTP in the file's own entry, the
+        // request succeeding); counted as BACKEND.
         let seen = h.send(transport, FAILING, None).await.unwrap();
         assert_eq!(seen, Seen::Error(failed.into()), "{}", at("engine failure"));
         let counts = h

@@ -1,5 +1,7 @@
 //! A deterministic engine for tests: the class of a row is a function of its pixels, so a
 //! test can tell whether each caller got its own row back.
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::{BatchInput, Engine, EngineError, EngineOutput, OutputRequest};
@@ -9,8 +11,38 @@ pub struct FakeEngine {
     pub num_classes: usize,
     /// Sleep per batch, to make batching observable.
     pub latency: Duration,
-    /// Fail every batch that contains a row whose first byte is this value.
+    pub faults: Arc<FakeFaults>,
+}
+
+/// Faults a test orders: an engine error or a panic for every batch with a row whose first
+/// byte is the given value, and new engines refused while `refuse_loads` is set.
+#[derive(Debug, Default)]
+pub struct FakeFaults {
     pub fail_on_first_byte: Option<u8>,
+    pub panic_on_first_byte: Option<u8>,
+    pub refuse_loads: AtomicBool,
+}
+
+impl FakeFaults {
+    /// A new engine, unless loads are refused now.
+    pub fn load(
+        self: &Arc<Self>,
+        path: &std::path::Path,
+        num_classes: usize,
+        latency: Duration,
+    ) -> Result<FakeEngine, EngineError> {
+        if self.refuse_loads.load(Ordering::SeqCst) {
+            return Err(EngineError::Load {
+                path: path.display().to_string(),
+                message: "loads are refused (injected)".into(),
+            });
+        }
+        Ok(FakeEngine {
+            num_classes,
+            latency,
+            faults: self.clone(),
+        })
+    }
 }
 
 impl FakeEngine {
@@ -38,7 +70,10 @@ impl Engine for FakeEngine {
                 .map(|r| r[0].clamp(0.0, 255.0) as u8)
                 .collect(),
         };
-        if let Some(bad) = self.fail_on_first_byte {
+        if let Some(bad) = self.faults.panic_on_first_byte {
+            assert!(!firsts.contains(&bad), "injected panic");
+        }
+        if let Some(bad) = self.faults.fail_on_first_byte {
             if firsts.contains(&bad) {
                 return Err(EngineError::Execution("injected failure".into()));
             }

@@ -5,7 +5,7 @@ pub mod cuda;
 mod fake;
 mod torch;
 
-pub use fake::FakeEngine;
+pub use fake::{FakeEngine, FakeFaults};
 pub use torch::{cuda_device_count, normalize_on_cpu, TorchEngine};
 
 use std::time::Duration;

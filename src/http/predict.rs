@@ -20,7 +20,7 @@ use crate::error::{ErrorBody, ErrorKind, GatewayError};
 use crate::pace::BodyPace;
 use crate::pipeline::Encoded;
 use crate::preprocess::PreprocessError;
-use crate::scheduler::RowIn;
+use crate::scheduler::{RowError, RowIn, SchedulerError};
 use crate::state::AppState;
 
 const DEFAULT_MODEL: &str = "ensemble_model";
@@ -64,6 +64,17 @@ pub struct Prediction {
 pub struct FileError {
     pub code: String,
     pub message: String,
+}
+
+/// A file whose batch the model failed gets an error entry of its own (`model_failed`);
+/// the other files keep their results.
+impl RowError for FileError {
+    fn failed_batch(error: &SchedulerError) -> Option<FileError> {
+        Some(FileError {
+            code: ErrorKind::ModelFailed.code().to_string(),
+            message: error.to_string(),
+        })
+    }
 }
 
 /// One uploaded file's result: its prediction, or why it could not be classified.
@@ -215,7 +226,12 @@ async fn classify(
         want,
         tokio_stream::wrappers::ReceiverStream::new(files_rx),
         abort,
-        |_, e| RowIn::Failed(e),
+        |_, e| {
+            RowIn::Failed(FileError {
+                code: e.code().to_string(),
+                message: e.to_string(),
+            })
+        },
     ));
     let (outputs, filenames) = match futures_util::future::select(run, reader).await {
         // The rows ended, so the reader has sent its last file: its names are ready.
@@ -254,13 +270,7 @@ async fn classify(
                     top_k: top,
                 })
             }
-            Err(e) => FileResult::Err(FileFailure {
-                filename,
-                error: FileError {
-                    code: e.code().to_string(),
-                    message: e.to_string(),
-                },
-            }),
+            Err(error) => FileResult::Err(FileFailure { filename, error }),
         })
         .collect();
 

@@ -15,7 +15,10 @@ use crate::telemetry::Metrics;
 pub enum ModelState {
     Loading,
     Ready,
+    /// The load failed.
     Failed(String),
+    /// Loaded, but every instance is down (its engine panicked) and restarting.
+    Down(String),
 }
 
 pub(super) struct Inner {

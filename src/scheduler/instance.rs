@@ -27,15 +27,23 @@ pub(super) struct InstanceContext {
     pub width: usize,
 }
 
-/// Runs until the batcher goes away. A panic inside the engine fails that batch and ends
-/// this instance (it may be in a broken state); the model keeps its other instances.
+/// Why an instance's loop ended.
+pub(super) enum Ended {
+    /// The batcher went away: the model is stopping.
+    Stopped,
+    /// The engine panicked: that batch failed, and the engine may be in a broken state.
+    Panicked,
+}
+
+/// Offers this instance to the batcher and runs the batches it is given, until the batcher
+/// goes away or the engine panics.
 pub(super) fn instance_loop(
-    ctx: InstanceContext,
+    ctx: &InstanceContext,
     mut engine: Box<dyn Engine>,
     target: usize,
-    slots: mpsc::Sender<Slot>,
-) {
-    loop {
+    slots: &mpsc::Sender<Slot>,
+) -> Ended {
+    let ended = loop {
         let (tx, rx) = oneshot::channel();
         if slots
             .blocking_send(Slot {
@@ -44,27 +52,32 @@ pub(super) fn instance_loop(
             })
             .is_err()
         {
-            break;
+            break Ended::Stopped;
         }
         let Ok(batch) = rx.blocking_recv() else {
-            break;
+            break Ended::Stopped;
         };
-        if !run_batch(&ctx, engine.as_mut(), batch) {
-            tracing::error!(model = ctx.model, instance = %ctx.id, "instance stopped after a panic");
-            break;
+        if !run_batch(ctx, engine.as_mut(), batch) {
+            break Ended::Panicked;
         }
-    }
+    };
+    // An engine that panicked may panic again as it is torn down.
+    let _ = std::panic::catch_unwind(AssertUnwindSafe(move || drop(engine)));
+    ended
 }
 
 /// Returns false if the engine panicked.
 fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bool {
+    // Only this batch's rows fail; the other rows of their requests are unaffected.
     let fail = |message: String| {
         tracing::error!(model = ctx.model, instance = %ctx.id, %message, "batch failed");
-        for (job, _) in &batch.parts {
-            job.fail(SchedulerError::Failed {
-                model: ctx.model.clone(),
-                message: message.clone(),
-            });
+        for (job, range) in &batch.parts {
+            job.fail_rows(
+                range.clone(),
+                SchedulerError::Failed {
+                    model: ctx.model.clone(),
+                },
+            );
         }
     };
     // Rows of this batch come from one or more requests (merged) or are a range of a larger

@@ -22,7 +22,7 @@ use tokio::sync::oneshot;
 pub use cache::ResponseCache;
 pub use handle::{ModelHandle, ModelState};
 pub use policy::{BatchPolicy, QueuePolicy};
-pub use request::{RequestSpec, RowIn, RunError, RunResult};
+pub use request::{RequestSpec, RowError, RowIn, RunError, RunResult};
 pub use start::{start_model, BatchSizeChoice, EngineFactory, ModelSettings};
 
 use crate::domain::{ClassScore, Normalize};
@@ -49,9 +49,10 @@ pub enum SchedulerError {
         waited_ms: u64,
         timeout_ms: u64,
     },
-    /// The engine failed the batch its rows ran in.
-    #[error("model '{model}' failed: {message}")]
-    Failed { model: String, message: String },
+    /// The engine failed the batch its rows ran in. Why is logged, not told: an engine's
+    /// message may name files and libraries.
+    #[error("model '{model}' failed on the batch these rows ran in; the server log says why")]
+    Failed { model: String },
 }
 
 impl HasKind for SchedulerError {
@@ -60,7 +61,7 @@ impl HasKind for SchedulerError {
             SchedulerError::NotReady { .. } => ErrorKind::NotReady,
             SchedulerError::Overloaded { .. } => ErrorKind::Overloaded,
             SchedulerError::Expired { .. } => ErrorKind::DeadlineExceeded,
-            SchedulerError::Failed { .. } => ErrorKind::Internal,
+            SchedulerError::Failed { .. } => ErrorKind::ModelFailed,
         }
     }
 }
@@ -90,10 +91,12 @@ pub struct RowOutput {
     pub logits: Option<Vec<f32>>,
 }
 
-pub(crate) type JobResult = Result<Vec<RowOutput>, SchedulerError>;
+/// A job's answer: each row's output, or the engine's failure of the batch it ran in; or
+/// the whole job's error (expired, the model stopped).
+pub(crate) type JobResult = Result<Vec<Result<RowOutput, SchedulerError>>, SchedulerError>;
 
 struct Collect {
-    outputs: Vec<Option<RowOutput>>,
+    outputs: Vec<Option<Result<RowOutput, SchedulerError>>>,
     remaining: usize,
     reply: Option<oneshot::Sender<JobResult>>,
 }
@@ -170,10 +173,25 @@ impl JobState {
                 cache.insert(key, out.clone());
             }
         }
+        self.settle(range, outputs.into_iter().map(Ok));
+    }
+
+    /// The engine failed the batch that held `range`: those rows get `error`, the job's
+    /// other rows are unaffected.
+    fn fail_rows(&self, range: Range<usize>, error: SchedulerError) {
+        let len = range.len();
+        self.settle(range, std::iter::repeat_n(Err(error), len));
+    }
+
+    fn settle(
+        &self,
+        range: Range<usize>,
+        results: impl Iterator<Item = Result<RowOutput, SchedulerError>>,
+    ) {
         let mut c = self.lock();
         let len = range.len();
-        for (slot, out) in c.outputs[range].iter_mut().zip(outputs) {
-            *slot = Some(out);
+        for (slot, result) in c.outputs[range].iter_mut().zip(results) {
+            *slot = Some(result);
         }
         c.remaining = c.remaining.saturating_sub(len);
         if c.remaining == 0 {

@@ -47,6 +47,17 @@ pub enum RowIn<F> {
     Abort(GatewayError),
 }
 
+/// A request's own error for one row. `failed_batch` says what a row whose batch the
+/// engine failed becomes: its own error, the request's other rows keeping their outputs
+/// (`/predict`'s per-file answers), or, with `None`, the whole request's error.
+pub trait RowError: Sized {
+    fn failed_batch(_error: &SchedulerError) -> Option<Self> {
+        None
+    }
+}
+
+impl RowError for std::convert::Infallible {}
+
 /// Why a request got no rows back.
 #[derive(Debug)]
 pub enum RunError {
@@ -75,7 +86,7 @@ impl ModelHandle {
     /// every row in order. A request still waiting for its first row (a slow upload) holds
     /// no place. Dropping the future cancels the request: its queued rows leave the queue
     /// unrun and it counts as Triton's `CANCELED`. Every outcome is counted once, here.
-    pub async fn run<F>(
+    pub async fn run<F: RowError>(
         &self,
         spec: RequestSpec,
         rows: impl Stream<Item = RowIn<F>>,
@@ -106,8 +117,12 @@ impl ModelHandle {
                 return Err(RunError::Scheduler(e));
             }
         };
-        let result = admission.feed(spec, rows).await;
-        admission.finish(outcome_of(&result));
+        let (result, batch_failed) = admission.feed(spec, rows).await;
+        admission.finish(if batch_failed {
+            Outcome::Failed
+        } else {
+            outcome_of(&result)
+        });
         result
     }
 
@@ -257,10 +272,22 @@ struct Admission {
 
 impl Admission {
     /// Submits the rows in chunks as they arrive, then waits for every chunk's outputs.
-    async fn feed<F>(
+    /// Also says whether the engine failed a batch some of the rows ran in.
+    async fn feed<F: RowError>(
         &mut self,
         spec: RequestSpec,
         rows: impl Stream<Item = RowIn<F>>,
+    ) -> (RunResult<F>, bool) {
+        let mut batch_failed = false;
+        let result = self.feed_rows(spec, rows, &mut batch_failed).await;
+        (result, batch_failed)
+    }
+
+    async fn feed_rows<F: RowError>(
+        &mut self,
+        spec: RequestSpec,
+        rows: impl Stream<Item = RowIn<F>>,
+        batch_failed: &mut bool,
     ) -> RunResult<F> {
         // Per row in arrival order: `Ok` takes the next output, `Err` is the row's own error.
         let mut slots: Vec<Result<(), F>> = Vec::new();
@@ -296,7 +323,18 @@ impl Admission {
         self.place = None;
         let mut outputs = Vec::with_capacity(slots.len());
         for chunk in pending {
-            outputs.extend(chunk.wait(&self.handle.inner).await?);
+            for output in chunk.wait(&self.handle.inner).await? {
+                outputs.push(match output {
+                    Ok(output) => Ok(output),
+                    Err(failed) => {
+                        *batch_failed = true;
+                        match F::failed_batch(&failed) {
+                            Some(own) => Err(own),
+                            None => return Err(RunError::Scheduler(failed)),
+                        }
+                    }
+                });
+            }
         }
         let mut outputs = outputs.into_iter();
         slots
@@ -304,7 +342,6 @@ impl Admission {
             .map(|slot| match slot {
                 Ok(()) => outputs
                     .next()
-                    .map(Ok)
                     .ok_or_else(|| missing_outputs(&self.handle.inner)),
                 Err(e) => Ok(Err(e)),
             })
@@ -381,7 +418,8 @@ struct PendingRows {
 }
 
 impl PendingRows {
-    async fn wait(self, inner: &Inner) -> Result<Vec<RowOutput>, RunError> {
+    /// Each row's output, or the engine's failure of the batch it ran in.
+    async fn wait(self, inner: &Inner) -> Result<Vec<Result<RowOutput, SchedulerError>>, RunError> {
         let model = || inner.name.to_string();
         let computed = self
             .computed
@@ -396,6 +434,7 @@ impl PendingRows {
             .into_iter()
             .map(|found| {
                 found
+                    .map(Ok)
                     .or_else(|| computed.next())
                     .ok_or_else(|| missing_outputs(inner))
             })
@@ -405,9 +444,9 @@ impl PendingRows {
 
 /// An engine that answered fewer rows than it was given.
 fn missing_outputs(inner: &Inner) -> RunError {
+    tracing::error!(model = %inner.name, "the engine answered fewer rows than it was given");
     RunError::Scheduler(SchedulerError::Failed {
         model: inner.name.to_string(),
-        message: "fewer outputs than rows".into(),
     })
 }
 

@@ -1,14 +1,15 @@
 //! Starting a model: its instance threads (each loads and warms up its engine and measures
 //! its batch size), its batcher task, and the handle the transports call.
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, watch, Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::batcher::{run_batcher, BatcherLabels};
 use super::handle::Inner;
-use super::instance::{instance_loop, InstanceContext, Slot};
+use super::instance::{instance_loop, Ended, InstanceContext, Slot};
 use super::{BatchPolicy, ModelHandle, ModelState, ResponseCache};
 use crate::domain::{InstanceId, ModelName, ModelVersion, Normalize};
 use crate::engine::{BatchInput, Engine, EngineError, OutputRequest};
@@ -70,6 +71,10 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
     // Every instance holds at most one outstanding offer.
     let (slots_tx, slots_rx) = mpsc::channel::<Slot>(settings.instances.len().max(1));
     let (state_tx, state_rx) = watch::channel(ModelState::Loading);
+    let instances = Arc::new(Instances {
+        up: AtomicUsize::new(0),
+        state: state_tx,
+    });
 
     let mut loaded = Vec::new();
     let mut threads = Vec::new();
@@ -89,24 +94,56 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
             width: settings.width,
         };
         let choice = settings.batch_size.clone();
+        let (instances, stop) = (instances.clone(), stop.clone());
         let spawned = std::thread::Builder::new()
             .name(format!("{name}/{id}"))
             .spawn(move || {
-                let engine = factory(&model_file, id)
-                    .map_err(|e| e.to_string())
-                    .and_then(|mut engine| {
-                        let target = warm_up(engine.as_mut(), &ctx, &choice)?;
-                        Ok((engine, target))
-                    });
-                match engine {
-                    Ok((engine, target)) => {
-                        let _ =
-                            done_tx.send(Ok(format!("{} batch {target}", engine.device_name())));
-                        instance_loop(ctx, engine, target, slots);
+                let start = || {
+                    let mut engine = factory(&model_file, id).map_err(|e| e.to_string())?;
+                    let target = warm_up(engine.as_mut(), &ctx, &choice)?;
+                    Ok::<_, String>((engine, target))
+                };
+                // The first load is reported to the model's loading; a failure there fails
+                // the model. Later ones restart the instance after a panic.
+                let mut loading = Some(done_tx);
+                let mut pause = RESTART_PAUSE;
+                loop {
+                    match (start(), loading.take()) {
+                        (Ok((engine, target)), loading) => {
+                            let device = engine.device_name();
+                            match loading {
+                                Some(done) => {
+                                    instances.up.fetch_add(1, Ordering::SeqCst);
+                                    let _ = done.send(Ok(format!("{device} batch {target}")));
+                                }
+                                None => {
+                                    instances.came_up();
+                                    tracing::warn!(model = ctx.model, instance = %id, "instance restarted");
+                                }
+                            }
+                            pause = RESTART_PAUSE;
+                            match instance_loop(&ctx, engine, target, &slots) {
+                                Ended::Stopped => return,
+                                Ended::Panicked => {
+                                    tracing::error!(model = ctx.model, instance = %id, "the engine panicked; restarting the instance");
+                                    instances.went_down(&format!("instance {id}: the engine panicked"));
+                                    continue;
+                                }
+                            }
+                        }
+                        (Err(e), Some(done)) => {
+                            let _ = done.send(Err(e));
+                            return;
+                        }
+                        (Err(e), None) => {
+                            tracing::error!(model = ctx.model, instance = %id, "restarting the instance failed: {e}; next try in {pause:?}");
+                            instances.still_down(&format!("instance {id}: {e}"));
+                        }
                     }
-                    Err(e) => {
-                        let _ = done_tx.send(Err(e));
+                    if stopped_within(&stop, pause) {
+                        return;
                     }
+                    pause = (pause * 2).min(RESTART_PAUSE_MAX);
                 }
             });
         match spawned {
@@ -138,22 +175,21 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
                 Err(_) => failures.push(format!("instance {id}: thread ended while loading")),
             }
         }
-        let state = if failures.is_empty() {
+        if failures.is_empty() {
             tracing::info!(
                 model = name,
                 instances = %devices.join(" "),
                 secs = format!("{:.2}", started.elapsed().as_secs_f64()),
                 "model ready"
             );
-            ModelState::Ready
+            instances.loaded();
         } else {
             let msg = failures.join("; ");
             tracing::error!(model = name, "model failed to load: {msg}");
-            ModelState::Failed(msg)
-        };
-        let _ = state_tx.send(state);
-        // Keep the sender alive so the state stays readable.
-        state_tx.closed().await;
+            instances.state.send_replace(ModelState::Failed(msg));
+        }
+        // Keep the state readable as long as anyone looks at it.
+        instances.state.closed().await;
     });
 
     ModelHandle {
@@ -179,6 +215,71 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
             state: state_rx,
         }),
     }
+}
+
+/// How long a failed restart waits before the next try; doubled after each failure, up
+/// to `RESTART_PAUSE_MAX`.
+const RESTART_PAUSE: Duration = Duration::from_secs(1);
+const RESTART_PAUSE_MAX: Duration = Duration::from_secs(30);
+
+/// How many of a model's instances are up. The model's state says `Down` while none is,
+/// and `Ready` again once one is back.
+struct Instances {
+    up: AtomicUsize,
+    state: watch::Sender<ModelState>,
+}
+
+impl Instances {
+    /// Every instance loaded: ready, unless all of them went down meanwhile.
+    fn loaded(&self) {
+        let state = if self.up.load(Ordering::SeqCst) > 0 {
+            ModelState::Ready
+        } else {
+            ModelState::Down("every instance went down after loading".into())
+        };
+        self.state.send_replace(state);
+    }
+
+    fn went_down(&self, why: &str) {
+        if self.up.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.still_down(why);
+        }
+    }
+
+    /// With no instance up, the state gives the latest reason.
+    fn still_down(&self, why: &str) {
+        self.state.send_if_modified(|state| {
+            let serving = matches!(state, ModelState::Ready | ModelState::Down(_));
+            let down = serving && self.up.load(Ordering::SeqCst) == 0;
+            if down {
+                *state = ModelState::Down(format!("every instance is down ({why}); restarting"));
+            }
+            down
+        });
+    }
+
+    fn came_up(&self) {
+        self.up.fetch_add(1, Ordering::SeqCst);
+        self.state.send_if_modified(|state| {
+            let down = matches!(state, ModelState::Down(_));
+            if down {
+                *state = ModelState::Ready;
+            }
+            down
+        });
+    }
+}
+
+/// Waits up to `pause`; whether the model stopped meanwhile.
+fn stopped_within(stop: &CancellationToken, pause: Duration) -> bool {
+    let until = Instant::now() + pause;
+    while Instant::now() < until {
+        if stop.is_cancelled() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop.is_cancelled()
 }
 
 /// Warms the instance up (TorchScript optimizes on its first calls) and returns its batch

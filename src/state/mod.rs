@@ -69,10 +69,10 @@ impl ServedModel {
         }
     }
 
-    /// Why the model cannot serve, once its load failed.
+    /// Why the model cannot serve: its load failed, or every instance is down.
     pub fn failure(&self) -> Option<String> {
         match self.handle()?.state() {
-            ModelState::Failed(why) => Some(why),
+            ModelState::Failed(why) | ModelState::Down(why) => Some(why),
             _ => None,
         }
     }

@@ -123,10 +123,15 @@ impl TestGateway {
             EngineChoice::Fake {
                 num_classes: 1000,
                 latency,
-                fail_on_first_byte: None,
+                faults: Default::default(),
             },
         )
         .await
+    }
+
+    /// The JSON body of the answer to `request`.
+    pub async fn json(&self, request: reqwest::RequestBuilder) -> serde_json::Value {
+        request.send().await.unwrap().json().await.unwrap()
     }
 
     /// GET /metrics from the metrics port.
@@ -198,7 +203,6 @@ pub fn with_preferred(model: &str, text: &str, preferred: &str) -> String {
     )
 }
 
-/// A 32x32 PNG of one colour; the fake engine classifies it as `red`.
 /// A gRPC `ModelInfer` request for the bundled ensemble with one encoded image.
 pub fn ensemble_request(image: Vec<u8>) -> visiongate::grpc::pb::ModelInferRequest {
     use visiongate::grpc::pb;
@@ -215,6 +219,7 @@ pub fn ensemble_request(image: Vec<u8>) -> visiongate::grpc::pb::ModelInferReque
     }
 }
 
+/// A 32x32 PNG of one colour; the fake engine classifies it as `red`.
 pub fn solid_png(red: u8) -> Vec<u8> {
     let img = image::RgbImage::from_pixel(32, 32, image::Rgb([red, 100, 50]));
     let mut out = std::io::Cursor::new(Vec::new());
