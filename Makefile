@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 ENV := source scripts/env.sh
 
-.PHONY: setup run test container-test gpu-kit bench fmt clippy openapi
+.PHONY: setup run test deny container-test gpu-kit bench fmt clippy openapi
 
 setup:
 	@bash scripts/setup.sh
@@ -12,14 +12,20 @@ setup:
 run: setup
 	@$(ENV) && exec "$$VISIONGATE_BIN" --model-repository models $(ARGS)
 
-## Every test: no two modules using each other (scripts/module-deps.sh), Rust unit + integration tests (real libtorch, real photos), the Python
+## Every test: no two modules using each other (scripts/module-deps.sh), `cargo deny check`
+## (scripts/deny.sh: advisories, licenses, bans, sources by deny.toml), Rust unit + integration tests (real libtorch, real photos), the Python
 ## suite (fidelity against the Python reference, real HTTP clients) and the container test
 ## (the image and `docker compose up`, see container-test).
 test: setup
 	@bash scripts/module-deps.sh > /dev/null
+	@bash scripts/deny.sh
 	@$(ENV) && cargo test --release
 	@$(ENV) && "$$VISIONGATE_PYTHON" -m pytest -q tests/python
 	@bash scripts/container-test.sh
+
+## Known vulnerabilities, licenses, banned crates and sources of every dependency.
+deny:
+	@bash scripts/deny.sh
 
 ## The image built from the Dockerfile and `docker compose up` on the CPU, checked as users
 ## use it (rootful podman; prepares it first). About 25 minutes cold, a few after an edit.

@@ -300,3 +300,27 @@ async fn a_call_still_sending_its_message_when_the_stop_begins_is_answered() {
         .expect("the stop ends once the call is answered")
         .unwrap();
 }
+
+/// The HTTP port speaks HTTP/1.x only (no h2c): the HTTP/2 code actix-web carries (h2
+/// 0.3, see deny.toml) is never reached from it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_http_port_does_not_speak_http2() {
+    let gw = TestGateway::start_fake(config(), Duration::from_millis(5)).await;
+    let addr = gw.gateway.as_ref().unwrap().http_addr;
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let answered = async {
+        let (client, connection) = h2::client::handshake(tcp).await?;
+        tokio::spawn(connection);
+        let mut client = client.ready().await?;
+        let request = http::Request::get(format!("http://{addr}/v2/health/live"))
+            .body(())
+            .unwrap();
+        let (response, _) = client.send_request(request, true)?;
+        response.await
+    };
+    let result = tokio::time::timeout(Duration::from_secs(5), answered)
+        .await
+        .expect("the connection is refused or closed, not left hanging");
+    assert!(result.is_err(), "HTTP/2 was served: {result:?}");
+    gw.stop().await;
+}
