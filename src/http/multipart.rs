@@ -272,6 +272,7 @@ pub enum ReadError<E> {
 pub struct Parts<S> {
     body: S,
     parser: Parser,
+    received: u64,
 }
 
 impl<S, E> Parts<S>
@@ -279,7 +280,16 @@ where
     S: Stream<Item = Result<Bytes, E>> + Unpin,
 {
     pub fn new(body: S, parser: Parser) -> Parts<S> {
-        Parts { body, parser }
+        Parts {
+            body,
+            parser,
+            received: 0,
+        }
+    }
+
+    /// Bytes of the body read so far (boundaries and headers included).
+    pub fn received(&self) -> u64 {
+        self.received
     }
 
     /// The next event; `None` once the closing boundary is read.
@@ -292,7 +302,10 @@ where
                 return Ok(None);
             }
             match self.body.next().await {
-                Some(Ok(bytes)) => self.parser.feed(&bytes),
+                Some(Ok(bytes)) => {
+                    self.received += bytes.len() as u64;
+                    self.parser.feed(&bytes);
+                }
                 Some(Err(e)) => return Err(ReadError::Body(e)),
                 None => {
                     return Err(ReadError::Malformed(malformed(

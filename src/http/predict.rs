@@ -331,10 +331,17 @@ async fn read_parts(
     // Files, and as many other form fields (FastAPI's limits: 1000 of each).
     let parser = Parser::new(&boundary, limits.max_files.saturating_mul(2));
     let mut parts = Parts::new(body::Paced::new(payload, pace), parser);
-    let mut body_bytes: u64 = 0;
     // The file part being read: its content so far and its size.
     let mut file: Option<(BytesMut, u64)> = None;
     while let Some(event) = parts.next().await.map_err(|e| upload_error(e, pace))? {
+        // Everything read counts, boundaries and part headers too (a body without a
+        // `Content-Length` is only measured here).
+        if parts.received() > limits.max_body_bytes {
+            return Err(too_large(format!(
+                "request body is larger than {} bytes",
+                limits.max_body_bytes
+            )));
+        }
         match event {
             Event::Part(head) => {
                 let is_file = head
@@ -357,13 +364,6 @@ async fn read_parts(
                 file = Some((BytesMut::new(), 0));
             }
             Event::Data(chunk) => {
-                body_bytes += chunk.len() as u64;
-                if body_bytes > limits.max_body_bytes {
-                    return Err(too_large(format!(
-                        "request body is larger than {} bytes",
-                        limits.max_body_bytes
-                    )));
-                }
                 if let Some((data, size)) = &mut file {
                     *size += chunk.len() as u64;
                     // Past the per-file limit keep reading (to reach the next part) but

@@ -4,13 +4,13 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::handle::QueuePlace;
 use super::instance::Slot;
 use super::policy::{decide, BatchPolicy, Decision};
-use super::{Admitted, Batch, JobState, SchedulerError};
+use super::{Admitted, Batch, JobState, ModelState, SchedulerError};
 use crate::domain::TimeoutAction;
 use crate::telemetry::{micros, Metrics};
 
@@ -204,6 +204,7 @@ pub(super) async fn run_batcher(
     mut jobs: mpsc::Receiver<Admitted>,
     mut slots: mpsc::Receiver<Slot>,
     policy: BatchPolicy,
+    mut state: watch::Receiver<ModelState>,
     stop: CancellationToken,
 ) {
     let model = labels.model.clone();
@@ -215,6 +216,7 @@ pub(super) async fn run_batcher(
     let has_timeouts = policy.has_timeouts();
     let mut idle: VecDeque<Slot> = VecDeque::new();
     let mut jobs_open = true;
+    let mut state_open = true;
     let fail_all = |queue: &mut Queue| {
         for level in &mut queue.levels {
             for p in level.drain(..) {
@@ -226,6 +228,11 @@ pub(super) async fn run_batcher(
         queue.rows = 0;
     };
     loop {
+        // With every instance down (restarting), nothing would run what waits: it is
+        // answered now, as what arrives until one is back.
+        if matches!(*state.borrow(), ModelState::Down(_)) {
+            fail_all(&mut queue);
+        }
         let mut timer = None;
         if has_timeouts {
             // Expired jobs are answered even while every instance is busy.
@@ -291,6 +298,7 @@ pub(super) async fn run_batcher(
                 Some(job) => queue.push(job),
                 None => jobs_open = false,
             },
+            changed = state.changed(), if state_open => state_open = changed.is_ok(),
             _ = sleep => {}
             _ = stop.cancelled() => {
                 fail_all(&mut queue);

@@ -32,7 +32,8 @@ pub(super) enum Ended {
     /// The batcher went away: the model is stopping.
     Stopped,
     /// The engine panicked: that batch failed, and the engine may be in a broken state.
-    Panicked,
+    /// `ran`: the batches it finished before.
+    Panicked { ran: usize },
 }
 
 /// Offers this instance to the batcher and runs the batches it is given, until the batcher
@@ -43,6 +44,7 @@ pub(super) fn instance_loop(
     target: usize,
     slots: &mpsc::Sender<Slot>,
 ) -> Ended {
+    let mut ran = 0;
     let ended = loop {
         let (tx, rx) = oneshot::channel();
         if slots
@@ -58,8 +60,9 @@ pub(super) fn instance_loop(
             break Ended::Stopped;
         };
         if !run_batch(ctx, engine.as_mut(), batch) {
-            break Ended::Panicked;
+            break Ended::Panicked { ran };
         }
+        ran += 1;
     };
     // An engine that panicked may panic again as it is torn down.
     let _ = std::panic::catch_unwind(AssertUnwindSafe(move || drop(engine)));

@@ -1,5 +1,6 @@
 //! Starting a model: its instance threads (each loads and warms up its engine and measures
 //! its batch size), its batcher task, and the handle the transports call.
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -98,13 +99,19 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         let spawned = std::thread::Builder::new()
             .name(format!("{name}/{id}"))
             .spawn(move || {
+                // A panic while loading (a broken device) is a failed load.
                 let start = || {
-                    let mut engine = factory(&model_file, id).map_err(|e| e.to_string())?;
-                    let target = warm_up(engine.as_mut(), &ctx, &choice)?;
-                    Ok::<_, String>((engine, target))
+                    std::panic::catch_unwind(AssertUnwindSafe(|| {
+                        let mut engine = factory(&model_file, id).map_err(|e| e.to_string())?;
+                        let target = warm_up(engine.as_mut(), &ctx, &choice)?;
+                        Ok::<_, String>((engine, target))
+                    }))
+                    .unwrap_or_else(|_| Err("the engine panicked while loading".into()))
                 };
                 // The first load is reported to the model's loading; a failure there fails
-                // the model. Later ones restart the instance after a panic.
+                // the model. Later ones restart the instance after a panic, after a pause
+                // that doubles while restarts fail or the engine panics before finishing a
+                // batch.
                 let mut loading = Some(done_tx);
                 let mut pause = RESTART_PAUSE;
                 loop {
@@ -121,13 +128,14 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
                                     tracing::warn!(model = ctx.model, instance = %id, "instance restarted");
                                 }
                             }
-                            pause = RESTART_PAUSE;
                             match instance_loop(&ctx, engine, target, &slots) {
                                 Ended::Stopped => return,
-                                Ended::Panicked => {
-                                    tracing::error!(model = ctx.model, instance = %id, "the engine panicked; restarting the instance");
+                                Ended::Panicked { ran } => {
+                                    tracing::error!(model = ctx.model, instance = %id, "the engine panicked; restarting the instance in {pause:?}");
                                     instances.went_down(&format!("instance {id}: the engine panicked"));
-                                    continue;
+                                    if ran > 0 {
+                                        pause = RESTART_PAUSE;
+                                    }
                                 }
                             }
                         }
@@ -162,6 +170,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         jobs_rx,
         slots_rx,
         settings.policy.clone(),
+        state_rx.clone(),
         stop.clone(),
     ));
     tokio::spawn(async move {
@@ -217,8 +226,8 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
     }
 }
 
-/// How long a failed restart waits before the next try; doubled after each failure, up
-/// to `RESTART_PAUSE_MAX`.
+/// How long an instance waits before a restart; doubled after each failed restart or
+/// panic before a finished batch, up to `RESTART_PAUSE_MAX`.
 const RESTART_PAUSE: Duration = Duration::from_secs(1);
 const RESTART_PAUSE_MAX: Duration = Duration::from_secs(30);
 
