@@ -70,6 +70,12 @@ impl TestGateway {
         self.control(model, action, body, Some(KEY)).await
     }
 
+    /// Loads `model` with `config` (its JSON text) as the load's `config` parameter.
+    async fn load_config(&self, model: &str, config: &str) -> (u16, Value) {
+        let body = json!({"parameters": {"config": config}});
+        self.admin(model, "load", body).await
+    }
+
     async fn index_json(&self) -> Value {
         let r = self
             .client
@@ -247,13 +253,7 @@ async fn load_with_a_config_parameter_replaces_config_pbtxt() {
     assert_eq!(config["max_batch_size"], 64);
     config["max_batch_size"] = json!(8);
     config["dynamic_batching"]["preferred_batch_size"] = json!([4]);
-    let (status, body) = gw
-        .admin(
-            "classifier",
-            "load",
-            json!({"parameters": {"config": config.to_string()}}),
-        )
-        .await;
+    let (status, body) = gw.load_config("classifier", &config.to_string()).await;
     assert_eq!(status, 200, "{body}");
     let (_, now) = gw.get("/v2/models/classifier/config").await;
     assert_eq!(now["max_batch_size"], 8);
@@ -273,9 +273,7 @@ async fn load_with_a_config_parameter_replaces_config_pbtxt() {
             "Python backend",
         ),
     ] {
-        let (status, body) = gw
-            .admin("classifier", "load", json!({"parameters": {"config": bad}}))
-            .await;
+        let (status, body) = gw.load_config("classifier", &bad).await;
         assert_eq!(status, 400, "{body}");
         assert!(body["error"].as_str().unwrap().contains(needle), "{body}");
     }
@@ -289,13 +287,7 @@ async fn load_with_a_config_parameter_replaces_config_pbtxt() {
     // ensemble's preprocessor: the ensemble says so until the classifier fits again.
     let mut wide = now.clone();
     wide["input"][0]["dims"] = json!(["3", "299", "299"]);
-    let (status, body) = gw
-        .admin(
-            "classifier",
-            "load",
-            json!({"parameters": {"config": wide.to_string()}}),
-        )
-        .await;
+    let (status, body) = gw.load_config("classifier", &wide.to_string()).await;
     assert_eq!(status, 200, "{body}");
     let reply = gw.predict_red(9).await;
     assert_eq!(reply.status, 404, "{}", reply.json);
@@ -684,13 +676,7 @@ async fn control_stays_inside_the_repository_and_shows_no_paths() {
         for (k, v) in edit.as_object().unwrap() {
             bad[k] = v.clone();
         }
-        let (status, body) = gw
-            .admin(
-                "classifier",
-                "load",
-                json!({"parameters": {"config": bad.to_string()}}),
-            )
-            .await;
+        let (status, body) = gw.load_config("classifier", &bad.to_string()).await;
         assert_eq!(status, 400, "{field} = {value}: {body}");
         let error = body["error"].as_str().unwrap();
         assert!(

@@ -76,8 +76,7 @@ enum State {
 }
 
 pub struct Parser {
-    /// `\r\n--boundary`: what ends a part's content.
-    delimiter: Vec<u8>,
+    /// Finds `\r\n--boundary`, what ends a part's content.
     finder: Finder<'static>,
     buf: BytesMut,
     state: State,
@@ -96,7 +95,6 @@ impl Parser {
         buf.extend_from_slice(b"\r\n");
         Parser {
             finder: Finder::new(&delimiter).into_owned(),
-            delimiter,
             buf,
             state: State::Preamble(0),
             scanned: 0,
@@ -121,11 +119,11 @@ impl Parser {
                         if skipped + at > MAX_PREAMBLE + 2 {
                             return Err(self.preamble_too_long());
                         }
-                        self.buf.advance(at + self.delimiter.len());
+                        self.buf.advance(at + self.delimiter_len());
                         self.to(State::AfterBoundary);
                     }
                     None => {
-                        let keep = self.delimiter.len() - 1;
+                        let keep = self.delimiter_len() - 1;
                         let drop = self.buf.len().saturating_sub(keep);
                         if skipped + drop > MAX_PREAMBLE + 2 {
                             return Err(self.preamble_too_long());
@@ -205,7 +203,7 @@ impl Parser {
                 }
                 State::Body => match self.find_delimiter() {
                     Some(0) => {
-                        self.buf.advance(self.delimiter.len());
+                        self.buf.advance(self.delimiter_len());
                         self.to(State::AfterBoundary);
                         return Ok(Some(Event::PartEnd));
                     }
@@ -213,7 +211,7 @@ impl Parser {
                     Some(at) => return Ok(Some(Event::Data(self.buf.split_to(at).freeze()))),
                     None => {
                         // All but what could be the start of a delimiter is content.
-                        let ready = self.buf.len().saturating_sub(self.delimiter.len() - 1);
+                        let ready = self.buf.len().saturating_sub(self.delimiter_len() - 1);
                         if ready == 0 {
                             return Ok(None);
                         }
@@ -230,6 +228,10 @@ impl Parser {
         matches!(self.state, State::Done)
     }
 
+    fn delimiter_len(&self) -> usize {
+        self.finder.needle().len()
+    }
+
     fn to(&mut self, state: State) {
         self.state = state;
         self.scanned = 0;
@@ -237,7 +239,7 @@ impl Parser {
 
     /// The delimiter's offset in the buffer, searching only bytes not searched before.
     fn find_delimiter(&mut self) -> Option<usize> {
-        let from = self.scanned.saturating_sub(self.delimiter.len() - 1);
+        let from = self.scanned.saturating_sub(self.delimiter_len() - 1);
         match self.finder.find(&self.buf[from..]) {
             Some(at) => Some(from + at),
             None => {

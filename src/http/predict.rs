@@ -174,15 +174,15 @@ async fn classify(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
     let started = Instant::now();
-    let is_multipart = req
+    let content_type = req
         .headers()
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| {
-            v.trim_start()
-                .to_ascii_lowercase()
-                .starts_with("multipart/form-data")
-        });
+        .unwrap_or_default();
+    let is_multipart = content_type
+        .trim_start()
+        .to_ascii_lowercase()
+        .starts_with("multipart/form-data");
     if !is_multipart {
         return Err(GatewayError::new(
             ErrorKind::UnsupportedMediaType,
@@ -211,7 +211,9 @@ async fn classify(
     // any, ends the request at once through `abort`.
     let (files_tx, files_rx) = mpsc::channel(1);
     let (abort_tx, abort_rx) = oneshot::channel();
-    let reader = std::pin::pin!(read_upload(&req, payload, &state, files_tx, abort_tx));
+    // A bad boundary ends the request through `abort`, as any malformed upload does.
+    let boundary = multipart::boundary(content_type);
+    let reader = std::pin::pin!(read_upload(boundary, payload, &state, files_tx, abort_tx));
     let abort = async move {
         match abort_rx.await {
             Ok(e) => e,
@@ -292,14 +294,14 @@ async fn classify(
 /// as soon as it is read; the upload's error, which ends the request, goes to `abort`.
 /// Returns the files' names in upload order.
 async fn read_upload(
-    req: &HttpRequest,
+    boundary: Result<String, multipart::Malformed>,
     payload: web::Payload,
     state: &AppState,
     files: mpsc::Sender<Encoded>,
     abort: oneshot::Sender<GatewayError>,
 ) -> Vec<String> {
     let mut names = Vec::new();
-    let result = read_parts(req, payload, state, &files, &mut names).await;
+    let result = read_parts(boundary, payload, state, &files, &mut names).await;
     let end = match result {
         Ok(()) if names.is_empty() => Err(GatewayError::invalid(
             "no files: send one or more multipart parts named 'files' (or 'file')",
@@ -313,7 +315,7 @@ async fn read_upload(
 }
 
 async fn read_parts(
-    req: &HttpRequest,
+    boundary: Result<String, multipart::Malformed>,
     payload: web::Payload,
     state: &AppState,
     files: &mpsc::Sender<Encoded>,
@@ -321,13 +323,7 @@ async fn read_parts(
 ) -> Result<(), GatewayError> {
     let limits = &state.limits;
     let pace = limits.pace;
-    let content_type = req
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default();
-    let boundary =
-        multipart::boundary(content_type).map_err(|e| GatewayError::invalid(e.to_string()))?;
+    let boundary = boundary.map_err(|e| GatewayError::invalid(e.to_string()))?;
     // Files, and as many other form fields (FastAPI's limits: 1000 of each).
     let parser = Parser::new(&boundary, limits.max_files.saturating_mul(2));
     let mut parts = Parts::new(body::Paced::new(payload, pace), parser);

@@ -115,14 +115,17 @@ mod tests {
         let (done, order) = mpsc::channel();
         // 50 does not fit beside 70; 20 would, but comes after 50 and waits its turn.
         for (i, bytes) in [(1, 50u64), (2, 20)] {
-            let (budget, done) = (budget.clone(), done.clone());
+            let (shared, done) = (budget.clone(), done.clone());
             std::thread::spawn(move || {
-                let held = budget.reserve(bytes, 1, 1).unwrap();
+                let held = shared.reserve(bytes, 1, 1).unwrap();
                 done.send(i).unwrap();
                 std::thread::sleep(Duration::from_millis(50));
                 drop(held);
             });
-            std::thread::sleep(Duration::from_millis(50));
+            // Each waits with its ticket before the next comes.
+            while budget.lock().next <= i {
+                std::thread::sleep(Duration::from_millis(1));
+            }
         }
         assert!(
             order.recv_timeout(Duration::from_millis(100)).is_err(),

@@ -117,8 +117,8 @@ impl ModelHandle {
                 return Err(RunError::Scheduler(e));
             }
         };
-        let (result, batch_failed) = admission.feed(spec, rows).await;
-        admission.finish(if batch_failed {
+        let result = admission.feed(spec, rows).await;
+        admission.finish(if admission.batch_failed {
             Outcome::Failed
         } else {
             outcome_of(&result)
@@ -157,6 +157,7 @@ impl ModelHandle {
             started: Instant::now(),
             request: Default::default(),
             finished: false,
+            batch_failed: false,
         })
     }
 
@@ -268,26 +269,16 @@ struct Admission {
     request: Arc<RequestMark>,
     /// Set by `finish`, so `Drop` knows the outcome was counted.
     finished: bool,
+    /// The engine failed a batch some of the rows ran in (counted as `BACKEND`).
+    batch_failed: bool,
 }
 
 impl Admission {
     /// Submits the rows in chunks as they arrive, then waits for every chunk's outputs.
-    /// Also says whether the engine failed a batch some of the rows ran in.
     async fn feed<F: RowError>(
         &mut self,
         spec: RequestSpec,
         rows: impl Stream<Item = RowIn<F>>,
-    ) -> (RunResult<F>, bool) {
-        let mut batch_failed = false;
-        let result = self.feed_rows(spec, rows, &mut batch_failed).await;
-        (result, batch_failed)
-    }
-
-    async fn feed_rows<F: RowError>(
-        &mut self,
-        spec: RequestSpec,
-        rows: impl Stream<Item = RowIn<F>>,
-        batch_failed: &mut bool,
     ) -> RunResult<F> {
         // Per row in arrival order: `Ok` takes the next output, `Err` is the row's own error.
         let mut slots: Vec<Result<(), F>> = Vec::new();
@@ -327,7 +318,7 @@ impl Admission {
                 outputs.push(match output {
                     Ok(output) => Ok(output),
                     Err(failed) => {
-                        *batch_failed = true;
+                        self.batch_failed = true;
                         match F::failed_batch(&failed) {
                             Some(own) => Err(own),
                             None => return Err(RunError::Scheduler(failed)),
