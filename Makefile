@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 ENV := source scripts/env.sh
 
-.PHONY: setup run test deny container-test gpu-kit bench fmt clippy openapi
+.PHONY: setup run test deny fuzz load soak container-test gpu-kit bench fmt clippy openapi
 
 setup:
 	@bash scripts/setup.sh
@@ -13,15 +13,33 @@ run: setup
 	@$(ENV) && exec "$$VISIONGATE_BIN" --model-repository models $(ARGS)
 
 ## Every test: no two modules using each other (scripts/module-deps.sh), `cargo deny check`
-## (scripts/deny.sh: advisories, licenses, bans, sources by deny.toml), Rust unit + integration tests (real libtorch, real photos), the Python
+## (scripts/deny.sh: advisories, licenses, bans, sources by deny.toml), Rust unit + integration
+## tests (real libtorch, real photos), 10 s of each fuzz target (scripts/fuzz.sh), the Python
 ## suite (fidelity against the Python reference, real HTTP clients) and the container test
 ## (the image and `docker compose up`, see container-test).
 test: setup
 	@bash scripts/module-deps.sh > /dev/null
 	@bash scripts/deny.sh
 	@$(ENV) && cargo test --release
+	@bash scripts/fuzz.sh smoke
 	@$(ENV) && "$$VISIONGATE_PYTHON" -m pytest -q tests/python
 	@bash scripts/container-test.sh
+
+## Every fuzz target for 10 million runs (an hour at most each); TARGET=name for one.
+fuzz:
+	@for t in $${TARGET:-decode multipart model_config kserve_json binary_tensors bytes_elements grpc_infer}; do \
+	  bash scripts/fuzz.sh run $$t || exit 1; done
+
+## Mixed load on the real binary (scripts/load.py): 10,000 requests of every kind at
+## concurrency 64, each answer checked; ARGS="--requests N --concurrency C" to change.
+load: setup
+	@$(ENV) && "$$VISIONGATE_PYTHON" scripts/load.py $(ARGS)
+
+## The same load for 10 minutes, the server's resident memory plotted to
+## test-artifacts/soak.png (and .csv); fails if it grew 5% or more after warm-up.
+soak: setup
+	@mkdir -p test-artifacts
+	@$(ENV) && "$$VISIONGATE_PYTHON" scripts/load.py --duration 600 --soak-png test-artifacts/soak.png $(ARGS)
 
 ## Known vulnerabilities, licenses, banned crates and sources of every dependency.
 deny:

@@ -38,6 +38,8 @@ fn compile_protos() {
     tonic_prost_build::configure()
         // The client too: the tests call the server over gRPC with it.
         .build_client(true)
+        // prost's codec, with a check of what a request takes decoded (src/grpc/wire.rs).
+        .codec_path("crate::grpc::CheckedCodec")
         .out_dir(&grpc_out)
         .compile_with_config(config, &["proto/grpc_service.proto"], &["proto"])
         .expect("proto/grpc_service.proto compiles");

@@ -198,6 +198,8 @@ say "docker compose build (log: $ART/build.log)"
 start=$(date +%s)
 compose build > "$ART/build.log" 2>&1 || { tail -40 "$ART/build.log"; fail "the image does not build"; }
 timing "build" "$(since "$start")"
+# The images earlier builds left untagged (GBs each) go; the new image's layers stay.
+podman image prune -f > /dev/null 2>&1 || true
 size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
 echo "image size: $size bytes" >> "$ART/timings.txt"
 say "image $IMAGE: $((size / 1000000)) MB"

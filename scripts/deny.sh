@@ -11,13 +11,7 @@ snapshot=${VISIONGATE_ADVISORY_DB:+$(realpath "$VISIONGATE_ADVISORY_DB")}
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 
-DENY_VERSION=0.20.2
-tools=$CARGO_TARGET_DIR/tools
-deny=$tools/bin/cargo-deny
-if ! [[ -x $deny ]] || [[ $("$deny" --version 2>/dev/null) != "cargo-deny $DENY_VERSION" ]]; then
-  echo "deny: building cargo-deny $DENY_VERSION into $tools (once per machine, ~10 min)" >&2
-  CARGO_TARGET_DIR=$tools/build cargo install --locked --quiet "cargo-deny@$DENY_VERSION" --root "$tools"
-fi
+deny=$(install_tool cargo-deny 0.20.2)
 
 # cargo-deny reads a database from a git checkout under db-path (deny.toml), in a folder
 # named after the database's URL, and checks how old its last commit is.

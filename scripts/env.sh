@@ -14,3 +14,16 @@ if [[ -x $VG_PY ]]; then
   export LIBTORCH=$VG_SITE/torch
 fi
 export VISIONGATE_PYTHON=$VG_PY VISIONGATE_BIN=$VG_BIN
+
+# `install_tool CRATE VERSION`: a pinned cargo tool, built once per machine into the target
+# cache (VG_TOOLS/bin); prints its path.
+VG_TOOLS=$CARGO_TARGET_DIR/tools
+install_tool() {
+  local crate=$1 version=$2 bin=$VG_TOOLS/bin/$1
+  if ! [[ -x $bin ]] || [[ $("$bin" --version 2>/dev/null) != *" $version"* ]]; then
+    echo "building $crate $version into $VG_TOOLS (once per machine, a few minutes)" >&2
+    CARGO_TARGET_DIR=$VG_TOOLS/build cargo install --locked --quiet "$crate@$version" \
+      --root "$VG_TOOLS" >&2
+  fi
+  echo "$bin"
+}

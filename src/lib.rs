@@ -5,6 +5,7 @@ pub mod config;
 pub mod domain;
 pub mod engine;
 pub mod error;
+pub mod fuzz;
 pub mod grpc;
 pub mod http;
 pub mod kserve;

@@ -2,8 +2,9 @@
 //! `tritonclient.grpc`. The service is thin: `convert` maps messages to `kserve` types and
 //! back, and every answer comes from the same state HTTP uses.
 mod conn;
-mod convert;
+pub(crate) mod convert;
 mod service;
+mod wire;
 
 use std::time::Duration;
 
@@ -11,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use conn::ConnLimits;
 pub use service::InferenceService;
+pub use wire::{check_infer_request, CheckedCodec};
 
 use crate::pace::BodyPace;
 

@@ -6,7 +6,7 @@ pub mod multipart;
 pub mod openapi;
 mod predict;
 mod v2;
-mod v2_infer;
+pub(crate) mod v2_infer;
 
 use actix_web::{web, HttpResponse};
 

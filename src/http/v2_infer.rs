@@ -11,7 +11,12 @@ use actix_web::http::header::{self, HeaderValue};
 use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
-use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::marker::PhantomData;
+
+use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use super::{body, client};
@@ -23,34 +28,48 @@ use crate::state::{AppState, ServedModel, UploadLimits};
 
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
 
-/// A KServe v2 inference request (the JSON header of the binary form).
+/// Tensors one request may name (inputs, and outputs).
+const MAX_TENSORS: usize = 64;
+/// Dimensions of one tensor's shape.
+const MAX_DIMS: usize = 16;
+/// Parameters of one request, input or output.
+const MAX_PARAMETERS: usize = 64;
+
+// Every list is bounded while it is parsed, and each input's `data` stays text until its
+// datatype and shape are known, then becomes raw bytes in one pass: no tree of JSON values.
+/// A KServe v2 inference request (the JSON header of the binary form). At most 64 inputs
+/// and 64 outputs, 16 dimensions a shape, 64 parameters a map.
 #[derive(Deserialize, utoipa::ToSchema)]
-pub struct JsonRequest {
+pub struct JsonRequest<'a> {
     #[serde(default)]
     id: Option<String>,
     /// `priority`, `timeout` (microseconds), `binary_data_output`.
     #[serde(default)]
     #[schema(value_type = Object)]
-    parameters: Map<String, Value>,
-    inputs: Vec<JsonInput>,
+    parameters: Params,
+    #[serde(borrow)]
+    #[schema(value_type = Vec<JsonInput>)]
+    inputs: Capped<JsonInput<'a>, MAX_TENSORS>,
     #[serde(default)]
-    outputs: Vec<JsonOutput>,
+    #[schema(value_type = Vec<JsonOutput>)]
+    outputs: Capped<JsonOutput, MAX_TENSORS>,
 }
 
 #[derive(Deserialize, utoipa::ToSchema)]
-pub struct JsonInput {
+pub struct JsonInput<'a> {
     name: String,
-    shape: Vec<i64>,
+    #[schema(value_type = Vec<i64>)]
+    shape: Capped<i64, MAX_DIMS>,
     /// BOOL, UINT8..UINT64, INT8..INT64, FP16, BF16, FP32, FP64 or BYTES.
     datatype: String,
     /// `binary_data_size` when the data follows the JSON header.
     #[serde(default)]
     #[schema(value_type = Object)]
-    parameters: Map<String, Value>,
+    parameters: Params,
     /// The elements, flat or nested (row-major).
-    #[serde(default)]
+    #[serde(default, borrow)]
     #[schema(value_type = Object)]
-    data: Option<Value>,
+    data: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize, utoipa::ToSchema)]
@@ -59,21 +78,118 @@ pub struct JsonOutput {
     /// `binary_data` (boolean), `classification` (top k as `score:index:label`).
     #[serde(default)]
     #[schema(value_type = Object)]
-    parameters: Map<String, Value>,
+    parameters: Params,
+}
+
+/// A JSON list of at most `N` items: the item after the `N`th is refused as it is read.
+pub struct Capped<T, const N: usize>(Vec<T>);
+
+impl<T, const N: usize> Default for Capped<T, N> {
+    fn default() -> Self {
+        Capped(Vec::new())
+    }
+}
+
+impl<'de, T: Deserialize<'de>, const N: usize> Deserialize<'de> for Capped<T, N> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Items<T, const N: usize>(PhantomData<T>);
+        impl<'de, T: Deserialize<'de>, const N: usize> Visitor<'de> for Items<T, N> {
+            type Value = Capped<T, N>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                write!(f, "a list of at most {N} items")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element()? {
+                    if items.len() == N {
+                        return Err(de::Error::custom(format!(
+                            "a list of more than {N} items (inputs and outputs: at most \
+                             {MAX_TENSORS}, shape: {MAX_DIMS} dimensions)"
+                        )));
+                    }
+                    items.push(item);
+                }
+                Ok(Capped(items))
+            }
+        }
+        d.deserialize_seq(Items::<T, N>(PhantomData))
+    }
+}
+
+/// Parameters: at most [`MAX_PARAMETERS`], each a boolean, number or string (what
+/// Triton's parameters can be).
+#[derive(Default)]
+pub struct Params(Map<String, Value>);
+
+impl<'de> Deserialize<'de> for Params {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Entries;
+        impl<'de> Visitor<'de> for Entries {
+            type Value = Params;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                write!(f, "an object of at most {MAX_PARAMETERS} parameters")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Params, A::Error> {
+                let mut params = Map::new();
+                while let Some(name) = map.next_key::<String>()? {
+                    if params.len() == MAX_PARAMETERS {
+                        return Err(de::Error::custom(format!(
+                            "more than {MAX_PARAMETERS} parameters"
+                        )));
+                    }
+                    let Scalar(value) = map.next_value()?;
+                    params.insert(name, value);
+                }
+                Ok(Params(params))
+            }
+        }
+        d.deserialize_map(Entries)
+    }
+}
+
+/// A boolean, number or string; a list or object is refused before it is read.
+struct Scalar(Value);
+
+impl<'de> Deserialize<'de> for Scalar {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct One;
+        impl Visitor<'_> for One {
+            type Value = Scalar;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a parameter value: a boolean, number or string")
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Scalar, E> {
+                Ok(Scalar(v.into()))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Scalar, E> {
+                Ok(Scalar(v.into()))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Scalar, E> {
+                Ok(Scalar(v.into()))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Scalar, E> {
+                Ok(Scalar(v.into()))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Scalar, E> {
+                Ok(Scalar(v.into()))
+            }
+        }
+        d.deserialize_any(One)
+    }
 }
 
 /// A KServe v2 inference response (the JSON header of the binary form).
 #[derive(Serialize, utoipa::ToSchema)]
-pub struct JsonResponse {
+pub struct JsonResponse<'a> {
     model_name: String,
     model_version: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     id: Option<String>,
-    outputs: Vec<JsonOutputTensor>,
+    outputs: Vec<JsonOutputTensor<'a>>,
 }
 
 #[derive(Serialize, utoipa::ToSchema)]
-pub struct JsonOutputTensor {
+pub struct JsonOutputTensor<'a> {
     name: String,
     datatype: String,
     shape: Vec<i64>,
@@ -84,7 +200,7 @@ pub struct JsonOutputTensor {
     /// The elements, flat (row-major), unless sent as binary.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
-    data: Option<Value>,
+    data: Option<JsonData<'a>>,
 }
 
 #[derive(Deserialize)]
@@ -181,14 +297,14 @@ async fn read_body(payload: web::Payload, limits: &UploadLimits) -> Result<Bytes
 
 /// A parsed request and, per requested output, whether it goes back as binary data.
 #[derive(Debug)]
-struct Parsed {
-    request: InferRequest,
+pub(crate) struct Parsed {
+    pub request: InferRequest,
     binary: Vec<bool>,
 }
 
 /// The JSON header (the whole body, or its first `header_len` bytes) and the binary input
 /// data after it. Returns whether outputs default to binary (`binary_data_output`).
-fn parse_request(
+pub(crate) fn parse_request(
     model: String,
     version: Option<String>,
     body: Bytes,
@@ -204,11 +320,12 @@ fn parse_request(
     let json: JsonRequest = serde_json::from_slice(&body[..header_len])
         .map_err(|e| GatewayError::invalid(format!("malformed inference request JSON: {e}")))?;
     let mut binary = body.slice(header_len..);
-    let mut inputs = Vec::with_capacity(json.inputs.len());
-    for input in json.inputs {
+    let mut inputs = Vec::with_capacity(json.inputs.0.len());
+    for input in json.inputs.0 {
         let datatype = DataType::parse(&input.datatype)
             .map_err(|e| GatewayError::invalid(format!("input '{}': {e}", input.name)))?;
-        let size = input.parameters.get("binary_data_size");
+        let shape = input.shape.0;
+        let size = input.parameters.0.get("binary_data_size");
         let data = match (size, &input.data) {
             (Some(size), None) => {
                 let size = size.as_u64().ok_or_else(|| {
@@ -227,7 +344,7 @@ fn parse_request(
                 }
                 binary.split_to(size)
             }
-            (None, Some(data)) => json_to_raw(data, datatype)
+            (None, Some(data)) => json_to_raw(data, datatype, &shape)
                 .map_err(|e| GatewayError::invalid(format!("input '{}': {e}", input.name)))?
                 .into(),
             (Some(_), Some(_)) => {
@@ -246,7 +363,7 @@ fn parse_request(
         inputs.push(InputTensor {
             name: input.name,
             datatype,
-            shape: input.shape,
+            shape,
             data,
         });
     }
@@ -256,12 +373,12 @@ fn parse_request(
             binary.len()
         )));
     }
-    let params = &json.parameters;
+    let params = &json.parameters.0;
     let binary_output_default = bool_param(params, "binary_data_output")?.unwrap_or(false);
     let mut outputs = Vec::new();
     let mut binary_flags = Vec::new();
-    for o in json.outputs {
-        let classification = match o.parameters.get("classification") {
+    for o in json.outputs.0 {
+        let classification = match o.parameters.0.get("classification") {
             None => None,
             Some(v) => Some(v.as_u64().ok_or_else(|| {
                 GatewayError::invalid(format!(
@@ -271,7 +388,7 @@ fn parse_request(
             })? as usize),
         };
         binary_flags
-            .push(bool_param(&o.parameters, "binary_data")?.unwrap_or(binary_output_default));
+            .push(bool_param(&o.parameters.0, "binary_data")?.unwrap_or(binary_output_default));
         outputs.push(RequestedOutput {
             name: o.name,
             classification,
@@ -379,25 +496,99 @@ fn raw_request(
     })
 }
 
-/// JSON tensor data (flat or nested row-major) in raw form.
-fn json_to_raw(data: &Value, datatype: DataType) -> Result<Vec<u8>, String> {
-    let mut flat = Vec::new();
-    flatten(data, &mut flat);
-    let mut out = Vec::with_capacity(flat.len() * datatype.size().unwrap_or(8));
-    if datatype == DataType::Bytes {
-        let elements: Result<Vec<&[u8]>, String> = flat
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                v.as_str()
-                    .map(str::as_bytes)
-                    .ok_or_else(|| format!("BYTES element {i} must be a string"))
-            })
-            .collect();
-        return Ok(kserve::encode_bytes_elements(elements?));
+/// JSON tensor data (flat or nested row-major) in raw form, written as it is parsed. The
+/// shape says how many elements to expect: the raw form is allocated once, never larger
+/// than the text allows, and an element past the count is refused where it stands.
+fn json_to_raw(data: &RawValue, datatype: DataType, shape: &[i64]) -> Result<Vec<u8>, String> {
+    if matches!(datatype, DataType::Fp16 | DataType::Bf16) {
+        return Err(format!(
+            "{datatype} cannot travel as JSON; send it as binary data"
+        ));
     }
-    for (i, v) in flat.iter().enumerate() {
+    let expected = kserve::element_count(shape)?;
+    let text = data.get();
+    // Each element takes at least one character of the text.
+    let capacity = match datatype.size() {
+        Some(size) => expected.min(text.len()) * size,
+        None => text.len(),
+    };
+    let mut elements = Elements {
+        datatype,
+        out: Vec::with_capacity(capacity),
+        count: 0,
+        expected,
+    };
+    let mut de = serde_json::Deserializer::from_str(text);
+    (&mut elements)
+        .deserialize(&mut de)
+        .map_err(|e| format!("'data': {e}"))?;
+    if elements.count != expected {
+        return Err(format!(
+            "'data' has {} elements, but shape {shape:?} needs {expected}",
+            elements.count
+        ));
+    }
+    Ok(elements.out)
+}
+
+/// The raw form of JSON elements of one datatype, as they are read.
+struct Elements {
+    datatype: DataType,
+    out: Vec<u8>,
+    count: usize,
+    expected: usize,
+}
+
+/// One JSON element.
+#[derive(Clone, Copy)]
+enum Element<'s> {
+    Bool(bool),
+    Unsigned(u64),
+    Signed(i64),
+    Float(f64),
+    Str(&'s str),
+}
+
+impl fmt::Display for Element<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        match self {
+            Element::Bool(v) => write!(f, "{v}"),
+            Element::Unsigned(v) => write!(f, "{v}"),
+            Element::Signed(v) => write!(f, "{v}"),
+            Element::Float(v) => write!(f, "{v}"),
+            Element::Str(v) => write!(f, "{v:?}"),
+        }
+    }
+}
+
+impl Elements {
+    fn push(&mut self, v: Element) -> Result<(), String> {
+        if self.count == self.expected {
+            return Err(format!(
+                "more elements than the {} the shape asks for",
+                self.expected
+            ));
+        }
+        let (i, datatype) = (self.count, self.datatype);
+        self.count += 1;
         let bad = || format!("element {i} ({v}) is not a valid {datatype}");
+        let unsigned = match v {
+            Element::Unsigned(x) => Some(x),
+            Element::Signed(x) => u64::try_from(x).ok(),
+            _ => None,
+        };
+        let signed = match v {
+            Element::Unsigned(x) => i64::try_from(x).ok(),
+            Element::Signed(x) => Some(x),
+            _ => None,
+        };
+        let float = match v {
+            Element::Unsigned(x) => Some(x as f64),
+            Element::Signed(x) => Some(x as f64),
+            Element::Float(x) => Some(x),
+            _ => None,
+        };
+        let out = &mut self.out;
         macro_rules! put {
             ($t:ty, $get:expr) => {{
                 let x: $t = $get.ok_or_else(bad)?;
@@ -405,73 +596,99 @@ fn json_to_raw(data: &Value, datatype: DataType) -> Result<Vec<u8>, String> {
             }};
         }
         match datatype {
-            DataType::Bool => out.push(u8::from(v.as_bool().ok_or_else(bad)?)),
-            DataType::Uint8 => put!(u8, v.as_u64().and_then(|x| u8::try_from(x).ok())),
-            DataType::Uint16 => put!(u16, v.as_u64().and_then(|x| u16::try_from(x).ok())),
-            DataType::Uint32 => put!(u32, v.as_u64().and_then(|x| u32::try_from(x).ok())),
-            DataType::Uint64 => put!(u64, v.as_u64()),
-            DataType::Int8 => put!(i8, v.as_i64().and_then(|x| i8::try_from(x).ok())),
-            DataType::Int16 => put!(i16, v.as_i64().and_then(|x| i16::try_from(x).ok())),
-            DataType::Int32 => put!(i32, v.as_i64().and_then(|x| i32::try_from(x).ok())),
-            DataType::Int64 => put!(i64, v.as_i64()),
-            DataType::Fp32 => put!(f32, v.as_f64().map(|x| x as f32)),
-            DataType::Fp64 => put!(f64, v.as_f64()),
-            DataType::Fp16 | DataType::Bf16 => {
-                return Err(format!(
-                    "{datatype} cannot travel as JSON; send it as binary data"
-                ))
-            }
-            DataType::Bytes => unreachable!("handled above"),
+            DataType::Bool => match v {
+                Element::Bool(b) => out.push(u8::from(b)),
+                _ => return Err(bad()),
+            },
+            DataType::Uint8 => put!(u8, unsigned.and_then(|x| u8::try_from(x).ok())),
+            DataType::Uint16 => put!(u16, unsigned.and_then(|x| u16::try_from(x).ok())),
+            DataType::Uint32 => put!(u32, unsigned.and_then(|x| u32::try_from(x).ok())),
+            DataType::Uint64 => put!(u64, unsigned),
+            DataType::Int8 => put!(i8, signed.and_then(|x| i8::try_from(x).ok())),
+            DataType::Int16 => put!(i16, signed.and_then(|x| i16::try_from(x).ok())),
+            DataType::Int32 => put!(i32, signed.and_then(|x| i32::try_from(x).ok())),
+            DataType::Int64 => put!(i64, signed),
+            DataType::Fp32 => put!(f32, float.map(|x| x as f32)),
+            DataType::Fp64 => put!(f64, float),
+            DataType::Bytes => match v {
+                Element::Str(s) => {
+                    out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+                    out.extend_from_slice(s.as_bytes());
+                }
+                _ => return Err(format!("BYTES element {i} must be a string")),
+            },
+            DataType::Fp16 | DataType::Bf16 => unreachable!("refused before parsing"),
         }
-    }
-    Ok(out)
-}
-
-fn flatten<'a>(v: &'a Value, out: &mut Vec<&'a Value>) {
-    match v {
-        Value::Array(items) => items.iter().for_each(|i| flatten(i, out)),
-        other => out.push(other),
+        Ok(())
     }
 }
 
-/// Raw output data as a flat JSON list.
-fn raw_to_json(t: &OutputTensor) -> Value {
-    let d = &t.data;
-    let nums = |size: usize, f: &dyn Fn(&[u8]) -> Value| -> Value {
-        Value::Array(d.chunks_exact(size).map(f).collect())
-    };
-    match t.datatype {
-        DataType::Bool => Value::Array(d.iter().map(|&b| Value::Bool(b != 0)).collect()),
-        DataType::Uint8 => Value::Array(d.iter().map(|&b| b.into()).collect()),
-        DataType::Int8 => Value::Array(d.iter().map(|&b| (b as i8).into()).collect()),
-        DataType::Uint16 => nums(2, &|b| u16::from_le_bytes([b[0], b[1]]).into()),
-        DataType::Int16 => nums(2, &|b| i16::from_le_bytes([b[0], b[1]]).into()),
-        DataType::Uint32 => nums(4, &|b| {
-            u32::from_le_bytes(b.try_into().unwrap_or([0; 4])).into()
-        }),
-        DataType::Int32 => nums(4, &|b| {
-            i32::from_le_bytes(b.try_into().unwrap_or([0; 4])).into()
-        }),
-        DataType::Fp32 => nums(4, &|b| {
-            f32::from_le_bytes(b.try_into().unwrap_or([0; 4])).into()
-        }),
-        DataType::Uint64 => nums(8, &|b| {
-            u64::from_le_bytes(b.try_into().unwrap_or([0; 8])).into()
-        }),
-        DataType::Int64 => nums(8, &|b| {
-            i64::from_le_bytes(b.try_into().unwrap_or([0; 8])).into()
-        }),
-        DataType::Fp64 => nums(8, &|b| {
-            f64::from_le_bytes(b.try_into().unwrap_or([0; 8])).into()
-        }),
-        DataType::Fp16 | DataType::Bf16 => Value::Null,
-        DataType::Bytes => Value::Array(
-            kserve::split_bytes_elements(d)
-                .unwrap_or_default()
-                .into_iter()
-                .map(|e| String::from_utf8_lossy(e).into_owned().into())
-                .collect(),
-        ),
+impl<'de> DeserializeSeed<'de> for &mut Elements {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for &mut Elements {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "{} elements, in a list or nested lists", self.datatype)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(&mut *self)?.is_some() {}
+        Ok(())
+    }
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<(), E> {
+        self.push(Element::Bool(v)).map_err(E::custom)
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<(), E> {
+        self.push(Element::Unsigned(v)).map_err(E::custom)
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<(), E> {
+        self.push(Element::Signed(v)).map_err(E::custom)
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<(), E> {
+        self.push(Element::Float(v)).map_err(E::custom)
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
+        self.push(Element::Str(v)).map_err(E::custom)
+    }
+}
+
+/// Raw output data as a flat JSON list, written as it is serialized (floats as their
+/// f64 value, as JSON numbers are).
+pub struct JsonData<'a>(&'a OutputTensor);
+
+impl Serialize for JsonData<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let d = &self.0.data;
+        macro_rules! nums {
+            ($t:ty, $f:expr) => {
+                s.collect_seq(d.chunks_exact(size_of::<$t>()).map(|b| {
+                    $f(<$t>::from_le_bytes(
+                        b.try_into().expect("chunks of the element size"),
+                    ))
+                }))
+            };
+        }
+        match self.0.datatype {
+            DataType::Bool => s.collect_seq(d.iter().map(|&b| b != 0)),
+            DataType::Uint8 => s.collect_seq(d.iter()),
+            DataType::Int8 => s.collect_seq(d.iter().map(|&b| b as i8)),
+            DataType::Uint16 => nums!(u16, |x| x),
+            DataType::Int16 => nums!(i16, |x| x),
+            DataType::Uint32 => nums!(u32, |x| x),
+            DataType::Int32 => nums!(i32, |x| x),
+            DataType::Fp32 => nums!(f32, f64::from),
+            DataType::Uint64 => nums!(u64, |x| x),
+            DataType::Int64 => nums!(i64, |x| x),
+            DataType::Fp64 => nums!(f64, |x| x),
+            DataType::Fp16 | DataType::Bf16 => s.serialize_none(),
+            DataType::Bytes => {
+                s.collect_seq(kserve::bytes_elements(d).map(String::from_utf8_lossy))
+            }
+        }
     }
 }
 
@@ -481,9 +698,14 @@ fn write_response(
     binary: &[bool],
     binary_default: bool,
 ) -> HttpResponse {
+    let kserve::InferResponse {
+        model,
+        version,
+        id,
+        outputs,
+    } = response;
     let mut tail: Vec<u8> = Vec::new();
-    let outputs: Vec<JsonOutputTensor> = response
-        .outputs
+    let json_outputs: Vec<JsonOutputTensor> = outputs
         .iter()
         .enumerate()
         .map(|(i, o)| {
@@ -500,16 +722,16 @@ fn write_response(
                 out.parameters = Some(serde_json::json!({ "binary_data_size": o.data.len() }));
                 tail.extend_from_slice(&o.data);
             } else {
-                out.data = Some(raw_to_json(o));
+                out.data = Some(JsonData(o));
             }
             out
         })
         .collect();
     let header = JsonResponse {
-        model_name: response.model,
-        model_version: response.version,
-        id: (!response.id.is_empty()).then_some(response.id),
-        outputs,
+        model_name: model,
+        model_version: version,
+        id: (!id.is_empty()).then_some(id),
+        outputs: json_outputs,
     };
     let header = serde_json::to_vec(&header).expect("a JSON value serializes");
     if tail.is_empty() {
@@ -535,15 +757,58 @@ mod tests {
 
     #[test]
     fn json_data_becomes_raw_little_endian_and_nested_lists_flatten() {
-        let raw = json_to_raw(&serde_json::json!([[1, 2], [3, 255]]), DataType::Uint8).unwrap();
-        assert_eq!(raw, vec![1, 2, 3, 255]);
-        let raw = json_to_raw(&serde_json::json!([1.5, -2]), DataType::Fp32).unwrap();
-        assert_eq!(raw[..4], 1.5f32.to_le_bytes());
-        assert_eq!(raw[4..], (-2.0f32).to_le_bytes());
-        let e = json_to_raw(&serde_json::json!([1, 256]), DataType::Uint8).unwrap_err();
+        let raw = |text: &str, datatype, shape: &[i64]| {
+            let data: Box<RawValue> = serde_json::from_str(text).unwrap();
+            json_to_raw(&data, datatype, shape)
+        };
+        let r = raw("[[1, 2], [3, 255]]", DataType::Uint8, &[2, 2]).unwrap();
+        assert_eq!(r, vec![1, 2, 3, 255]);
+        let r = raw("[1.5, -2]", DataType::Fp32, &[2]).unwrap();
+        assert_eq!(r[..4], 1.5f32.to_le_bytes());
+        assert_eq!(r[4..], (-2.0f32).to_le_bytes());
+        let e = raw("[1, 256]", DataType::Uint8, &[2]).unwrap_err();
         assert!(e.contains("element 1") && e.contains("UINT8"), "{e}");
-        let raw = json_to_raw(&serde_json::json!(["ab"]), DataType::Bytes).unwrap();
-        assert_eq!(raw, vec![2, 0, 0, 0, b'a', b'b']);
+        let r = raw(r#"["ab"]"#, DataType::Bytes, &[1]).unwrap();
+        assert_eq!(r, vec![2, 0, 0, 0, b'a', b'b']);
+        // More elements than the shape: refused at the first one over, saying where.
+        let e = raw("[1, 2, 3]", DataType::Int64, &[2]).unwrap_err();
+        assert!(
+            e.contains("more elements than the 2") && e.contains("column"),
+            "{e}"
+        );
+        let e = raw("[1]", DataType::Int64, &[2]).unwrap_err();
+        assert!(e.contains("has 1 elements") && e.contains("needs 2"), "{e}");
+        let e = raw("[{}]", DataType::Fp32, &[1]).unwrap_err();
+        assert!(e.contains("FP32 elements"), "{e}");
+    }
+
+    #[test]
+    fn lists_and_parameters_are_bounded_while_parsed() {
+        let parse = |json: String| {
+            parse_request("m".into(), None, Bytes::from(json), None)
+                .map(|_| ())
+                .unwrap_err()
+                .to_string()
+        };
+        let input = r#"{"name":"x","shape":[1],"datatype":"UINT8","data":[1]}"#;
+        let inputs = vec![input; MAX_TENSORS + 1].join(",");
+        let e = parse(format!(r#"{{"inputs":[{inputs}]}}"#));
+        assert!(e.contains("more than 64 items"), "{e}");
+        let shape = vec!["1"; MAX_DIMS + 1].join(",");
+        let e = parse(format!(
+            r#"{{"inputs":[{{"name":"x","shape":[{shape}],"datatype":"UINT8","data":[1]}}]}}"#
+        ));
+        assert!(e.contains("more than 16 items"), "{e}");
+        let params: Vec<String> = (0..=MAX_PARAMETERS)
+            .map(|i| format!(r#""p{i}":1"#))
+            .collect();
+        let e = parse(format!(
+            r#"{{"parameters":{{{}}},"inputs":[]}}"#,
+            params.join(",")
+        ));
+        assert!(e.contains("more than 64 parameters"), "{e}");
+        let e = parse(r#"{"parameters":{"p":[1,2,3]},"inputs":[]}"#.into());
+        assert!(e.contains("boolean, number or string"), "{e}");
     }
 
     #[test]
@@ -573,7 +838,10 @@ mod tests {
             shape: vec![1, 2],
             data: [1.0f32.to_le_bytes(), 2.0f32.to_le_bytes()].concat(),
         };
-        assert_eq!(raw_to_json(&out), serde_json::json!([1.0, 2.0]));
+        assert_eq!(
+            serde_json::to_value(JsonData(&out)).unwrap(),
+            serde_json::json!([1.0, 2.0])
+        );
         let response = kserve::InferResponse {
             model: "m".into(),
             version: "1".into(),

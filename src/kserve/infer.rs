@@ -12,7 +12,7 @@ use std::convert::Infallible;
 use bytes::Bytes;
 use futures_util::StreamExt;
 
-use super::tensor::{encode_bytes_elements, split_bytes_elements};
+use super::tensor::encode_bytes_elements;
 use super::{DataType, InputTensor};
 use crate::domain::{Normalize, RequestOptions};
 use crate::engine::OutputRequest;
@@ -103,11 +103,15 @@ pub async fn infer(
     }
     let (input_name, output_name) = io_names(model);
     let input = single_input(&req, model, input_name)?;
+    let max_rows = RowLimit {
+        rows: state.limits.max_files,
+        why: "--max-files",
+    };
     let wanted = requested_outputs(&req, model, output_name)?;
     let want = output_request(&wanted);
     let outputs = match served {
         ServedModel::Ensemble { pipeline, .. } => {
-            let images = encoded_images(input, &req.model)?;
+            let images = image_rows(input, &req.model, max_rows)?;
             // The protocol has no per-row errors: a bad image fails the request, naming it.
             let bad_image = |row, error| -> RowIn<Infallible> {
                 RowIn::Abort(BadRow::new(&input.name, &req.model, row, error).into())
@@ -124,6 +128,7 @@ pub async fn infer(
                 unreachable!("a served classifier is a classifier in the repository")
             };
             let rows = tensor_rows(input, &req.model, spec.height, spec.width)?;
+            max_rows.check(input, &req.model, rows.len())?;
             let request = RequestSpec {
                 options: req.options,
                 format: RowFormat::TensorF32,
@@ -138,7 +143,17 @@ pub async fn infer(
             normalize,
             ..
         } => {
-            let images = encoded_images(input, &req.model)?;
+            // Its rows and their FP32 output are held at once: as Triton, it takes at most
+            // its max_batch_size rows.
+            let most = usize::try_from(model.config.max_batch_size.max(1)).unwrap_or(1);
+            let limit = match most < max_rows.rows {
+                true => RowLimit {
+                    rows: most,
+                    why: "the preprocessor's max_batch_size",
+                },
+                false => max_rows,
+            };
+            let images = image_rows(input, &req.model, limit)?;
             let rows = decode_all(state, preprocess, images, &input.name, &req.model).await?;
             preprocessed_outputs(&wanted, &rows, preprocess, normalize, &req.model)?
         }
@@ -227,32 +242,88 @@ fn requested_outputs(
     Ok(req.outputs.clone())
 }
 
-/// The encoded images of a `RAW_IMAGE` input: the rows of UINT8 `[N, L]` (zero padding
-/// after an image's end is left to the decoder, which stops at the image's end marker) or
-/// the elements of BYTES `[N]` / `[N, 1]`.
-fn encoded_images(input: &InputTensor, model: &str) -> Result<Vec<Bytes>, GatewayError> {
-    let shape_err = || {
-        GatewayError::invalid(format!(
-            "input '{}' of model '{model}' must be UINT8 [N, L] (encoded images, zero-padded \
-             to one length) or BYTES [N]; got {} {:?}",
-            input.name, input.datatype, input.shape
-        ))
-    };
-    let images: Vec<Bytes> = match (input.datatype, input.shape.as_slice()) {
-        (DataType::Uint8, &[n, len]) if n > 0 && len > 0 => {
-            let len = len as usize;
-            (0..n as usize)
-                .map(|i| input.data.slice(i * len..(i + 1) * len))
-                .collect()
+/// The most rows one request may carry, and what sets it.
+#[derive(Debug, Clone, Copy)]
+pub struct RowLimit {
+    pub rows: usize,
+    pub why: &'static str,
+}
+
+impl RowLimit {
+    /// Refuses a request of more than `rows` rows before any is read.
+    fn check(self, input: &InputTensor, model: &str, rows: usize) -> Result<(), GatewayError> {
+        if rows > self.rows {
+            return Err(GatewayError::invalid(format!(
+                "input '{}' of model '{model}' has {rows} rows; one request may carry at most \
+                 {} ({})",
+                input.name, self.rows, self.why
+            )));
         }
-        (DataType::Bytes, &[n] | &[n, 1]) if n > 0 => split_bytes_elements(&input.data)
-            .map_err(|e| GatewayError::invalid(format!("input '{}': {e}", input.name)))?
-            .into_iter()
-            .map(|e| input.data.slice_ref(e))
-            .collect(),
-        _ => return Err(shape_err()),
+        Ok(())
+    }
+}
+
+/// The encoded images of a `RAW_IMAGE` input (its size already checked against its shape):
+/// the rows of UINT8 `[N, L]` (zero padding after an image's end is left to the decoder,
+/// which stops at the image's end marker) or the elements of BYTES `[N]` / `[N, 1]`. They
+/// are cut one at a time as the pipeline takes them.
+pub fn image_rows(
+    input: &InputTensor,
+    model: &str,
+    max_rows: RowLimit,
+) -> Result<ImageRows, GatewayError> {
+    let (rows, row_len) = match (input.datatype, input.shape.as_slice()) {
+        (DataType::Uint8, &[n, len]) if n > 0 && len > 0 => (n, Some(len as usize)),
+        (DataType::Bytes, &[n] | &[n, 1]) if n > 0 => (n, None),
+        _ => {
+            return Err(GatewayError::invalid(format!(
+                "input '{}' of model '{model}' must be UINT8 [N, L] (encoded images, \
+                 zero-padded to one length) or BYTES [N]; got {} {:?}",
+                input.name, input.datatype, input.shape
+            )))
+        }
     };
-    Ok(images)
+    let rows = usize::try_from(rows).unwrap_or(usize::MAX);
+    max_rows.check(input, model, rows)?;
+    Ok(ImageRows {
+        data: input.data.clone(),
+        row_len,
+        offset: 0,
+        left: rows,
+    })
+}
+
+/// The rows of an image input, cut as they are taken (slices of the request's data).
+pub struct ImageRows {
+    data: Bytes,
+    /// UINT8 rows' length; `None`: BYTES elements, each with its 4-byte length.
+    row_len: Option<usize>,
+    offset: usize,
+    left: usize,
+}
+
+impl Iterator for ImageRows {
+    type Item = Bytes;
+
+    fn next(&mut self) -> Option<Bytes> {
+        if self.left == 0 {
+            return None;
+        }
+        let (start, len) = match self.row_len {
+            Some(len) => (self.offset, len),
+            None => {
+                let prefix = self.data.get(self.offset..self.offset.checked_add(4)?)?;
+                let len = u32::from_le_bytes(prefix.try_into().ok()?) as usize;
+                (self.offset + 4, len)
+            }
+        };
+        let end = start
+            .checked_add(len)
+            .filter(|&end| end <= self.data.len())?;
+        self.offset = end;
+        self.left -= 1;
+        Some(self.data.slice(start..end))
+    }
 }
 
 /// The preprocessor model alone: every image decoded on the pool, in order; the first that
@@ -260,11 +331,11 @@ fn encoded_images(input: &InputTensor, model: &str) -> Result<Vec<Bytes>, Gatewa
 async fn decode_all(
     state: &AppState,
     settings: &std::sync::Arc<PreprocessSettings>,
-    images: Vec<Bytes>,
+    images: ImageRows,
     input: &str,
     model: &str,
 ) -> Result<Vec<Row>, GatewayError> {
-    let n = images.len();
+    let n = images.left;
     let images = futures_util::stream::iter(images).map(Encoded::Image);
     let mut decoding = std::pin::pin!(pipeline::decode(&state.pool, settings, images).enumerate());
     let mut rows = Vec::with_capacity(n);
@@ -438,10 +509,10 @@ mod tests {
         let out = classifier_outputs(&wanted, &rows, Some(&labels)).unwrap();
         assert_eq!(out[0].datatype, DataType::Bytes);
         assert_eq!(out[0].shape, vec![1, 2]);
-        let elements = split_bytes_elements(&out[0].data).unwrap();
+        let elements: Vec<_> = crate::kserve::bytes_elements(&out[0].data).collect();
         assert_eq!(elements, vec![&b"3.250000:2:cow"[..], b"1.500000:0:cat"]);
         let out = classifier_outputs(&wanted, &rows, None).unwrap();
-        let elements = split_bytes_elements(&out[0].data).unwrap();
+        let elements: Vec<_> = crate::kserve::bytes_elements(&out[0].data).collect();
         assert_eq!(elements[0], b"3.250000:2");
     }
 

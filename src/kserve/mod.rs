@@ -5,9 +5,15 @@ mod infer;
 mod stats;
 mod tensor;
 
-pub use infer::{infer, InferRequest, InferResponse, OutputTensor, RequestedOutput};
+pub use infer::{
+    image_rows, infer, ImageRows, InferRequest, InferResponse, OutputTensor, RequestedOutput,
+    RowLimit,
+};
 pub use stats::{model_statistics, DurationStat, ModelStatistics};
-pub use tensor::{encode_bytes_elements, split_bytes_elements, DataType, InputTensor};
+pub use tensor::{
+    bytes_elements, count_bytes_elements, element_count, encode_bytes_elements, DataType,
+    InputTensor,
+};
 
 use crate::domain::ModelVersion;
 use crate::error::{ErrorKind, GatewayError};

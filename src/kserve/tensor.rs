@@ -147,7 +147,7 @@ impl InputTensor {
                 }
             }
             None => {
-                let got = split_bytes_elements(&self.data)?.len();
+                let got = count_bytes_elements(&self.data)?;
                 if got != n {
                     return Err(format!(
                         "has {got} BYTES elements, but shape {:?} needs {n}",
@@ -160,9 +160,10 @@ impl InputTensor {
     }
 }
 
-/// The elements of raw BYTES data (each a 4-byte little-endian length, then the bytes).
-pub fn split_bytes_elements(mut data: &[u8]) -> Result<Vec<&[u8]>, String> {
-    let mut out = Vec::new();
+/// How many elements raw BYTES data holds (each a 4-byte little-endian length, then the
+/// bytes); an error says where it is cut short. Counts without building anything.
+pub fn count_bytes_elements(mut data: &[u8]) -> Result<usize, String> {
+    let mut n = 0;
     while !data.is_empty() {
         let Some((len, rest)) = data.split_first_chunk::<4>() else {
             return Err("BYTES data ends inside an element's 4-byte length".into());
@@ -170,16 +171,26 @@ pub fn split_bytes_elements(mut data: &[u8]) -> Result<Vec<&[u8]>, String> {
         let len = u32::from_le_bytes(*len) as usize;
         if rest.len() < len {
             return Err(format!(
-                "BYTES element {} claims {len} bytes but only {} remain",
-                out.len(),
+                "BYTES element {n} claims {len} bytes but only {} remain",
                 rest.len()
             ));
         }
-        let (element, rest) = rest.split_at(len);
-        out.push(element);
-        data = rest;
+        data = &rest[len..];
+        n += 1;
     }
-    Ok(out)
+    Ok(n)
+}
+
+/// The elements of raw BYTES data, one at a time; it ends early where the data is cut
+/// short, so check it with [`count_bytes_elements`] first.
+pub fn bytes_elements(mut data: &[u8]) -> impl Iterator<Item = &[u8]> {
+    std::iter::from_fn(move || {
+        let (len, rest) = data.split_first_chunk::<4>()?;
+        let len = u32::from_le_bytes(*len) as usize;
+        let element = rest.get(..len)?;
+        data = &rest[len..];
+        Some(element)
+    })
 }
 
 /// Raw BYTES data for `elements`.
@@ -209,14 +220,15 @@ mod tests {
     fn bytes_elements_round_trip_and_truncation_is_an_error() {
         let raw = encode_bytes_elements([&b"ab"[..], b"", b"xyz"]);
         assert_eq!(raw.len(), 4 + 2 + 4 + 4 + 3);
+        assert_eq!(count_bytes_elements(&raw), Ok(3));
         assert_eq!(
-            split_bytes_elements(&raw).unwrap(),
+            bytes_elements(&raw).collect::<Vec<_>>(),
             vec![&b"ab"[..], b"", b"xyz"]
         );
-        assert!(split_bytes_elements(&raw[..raw.len() - 1])
+        assert!(count_bytes_elements(&raw[..raw.len() - 1])
             .unwrap_err()
             .contains("claims 3 bytes"));
-        assert!(split_bytes_elements(&raw[..2])
+        assert!(count_bytes_elements(&raw[..2])
             .unwrap_err()
             .contains("4-byte length"));
     }

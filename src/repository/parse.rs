@@ -154,7 +154,12 @@ fn describe_parse_error(
         .map(|l| l.offset() - inserted.iter().filter(|&&i| i < l.offset()).count());
     match offset {
         Some(offset) => {
-            let before = &text[..offset.min(text.len())];
+            // The offset may fall inside a character (it counts bytes of the normalized text).
+            let mut end = offset.min(text.len());
+            while !text.is_char_boundary(end) {
+                end -= 1;
+            }
+            let before = &text[..end];
             let line = before.matches('\n').count() + 1;
             let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
             format!("{e} (line {line}, column {col})")

@@ -189,7 +189,7 @@ pub(super) fn select_versions(
     Ok(selected)
 }
 
-pub(super) fn model_kind(
+pub(crate) fn model_kind(
     dir: &Path,
     model: &str,
     config: &pb::ModelConfig,

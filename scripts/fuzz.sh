@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The fuzz targets (fuzz/, cargo-fuzz with libFuzzer and AddressSanitizer).
+#   scripts/fuzz.sh smoke              every target for a few seconds (the test suite's smoke)
+#   scripts/fuzz.sh run TARGET [RUNS]  one target for RUNS executions (default 10 million),
+#                                      at most an hour
+# Targets: decode multipart model_config kserve_json binary_tensors bytes_elements grpc_infer.
+# Each starts from its seeds (fuzz/seeds/TARGET, made by fuzz/make_seeds.py) and keeps what
+# it finds in the target cache ($CARGO_TARGET_DIR/fuzz-corpus/TARGET); a crash is written to
+# $CARGO_TARGET_DIR/fuzz-artifacts/TARGET/ and fails the run. cargo-fuzz needs nightly
+# compiler flags: RUSTC_BOOTSTRAP lets the stable toolchain take them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+
+TARGETS=(decode multipart model_config kserve_json binary_tensors bytes_elements grpc_infer)
+fuzz=$(install_tool cargo-fuzz 0.13.2)
+export RUSTC_BOOTSTRAP=1
+# The server's libtorch, should a target's binary need it at run time.
+export LD_LIBRARY_PATH=${LIBTORCH:+$LIBTORCH/lib:}${LD_LIBRARY_PATH:-}
+
+run() {
+  local target=$1; shift
+  local corpus=$CARGO_TARGET_DIR/fuzz-corpus/$target
+  local artifacts=$CARGO_TARGET_DIR/fuzz-artifacts/$target
+  mkdir -p "$corpus" "$artifacts"
+  "$fuzz" run --fuzz-dir fuzz --target-dir "$CARGO_TARGET_DIR/fuzz" "$target" \
+    "$corpus" "fuzz/seeds/$target" -- \
+    -artifact_prefix="$artifacts/" -rss_limit_mb=3072 -timeout=20 -print_final_stats=1 "$@"
+}
+
+case ${1:-smoke} in
+  smoke)
+    "$fuzz" build --fuzz-dir fuzz --target-dir "$CARGO_TARGET_DIR/fuzz"
+    for t in "${TARGETS[@]}"; do
+      log=$CARGO_TARGET_DIR/fuzz-artifacts/$t.log
+      mkdir -p "${log%/*}"
+      if ! run "$t" -max_total_time=10 > "$log" 2>&1; then
+        tail -40 "$log" >&2
+        echo "fuzz smoke: $t failed (log: $log)" >&2
+        exit 1
+      fi
+      echo "fuzz smoke: $t: $(grep -oE 'number_of_executed_units: [0-9]+' "$log" | grep -oE '[0-9]+') runs" >&2
+    done ;;
+  run)
+    run "$2" -runs="${3:-10000000}" -max_total_time=3600 ;;
+  *) echo "usage: $0 smoke | run TARGET [RUNS]" >&2; exit 2 ;;
+esac
