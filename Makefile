@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 ENV := source scripts/env.sh
 
-.PHONY: setup run test deny fuzz load soak container-test gpu-kit bench fmt clippy openapi
+.PHONY: setup run test deny fuzz load soak fairness container-test gpu-kit bench fmt clippy openapi
 
 setup:
 	@bash scripts/setup.sh
@@ -40,6 +40,10 @@ load: setup
 soak: setup
 	@mkdir -p test-artifacts
 	@$(ENV) && "$$VISIONGATE_PYTHON" scripts/load.py --duration 600 --soak-png test-artifacts/soak.png $(ARGS)
+
+## A single image's latency alone and during a 1000-photo upload (scripts/fairness.py).
+fairness: setup
+	@$(ENV) && "$$VISIONGATE_PYTHON" scripts/fairness.py $(ARGS)
 
 ## Known vulnerabilities, licenses, banned crates and sources of every dependency.
 deny:

@@ -75,18 +75,22 @@ pub fn decode<'a>(
     settings: &'a Arc<PreprocessSettings>,
     images: impl Stream<Item = Encoded> + 'a,
 ) -> impl Stream<Item = Result<Result<Row, PreprocessError>, GatewayError>> + 'a {
+    // The request's own flow: the pool takes its images in turn with other requests'.
+    let flow = pool.flow();
     images
-        .map(move |image| async move {
-            let bytes = match image {
-                Encoded::Image(bytes) => bytes,
-                Encoded::Failed(e) => return Ok(Err(e)),
+        .map(move |image| {
+            let decoded = match image {
+                Encoded::Image(bytes) => Ok(flow.submit(bytes, settings.clone())),
+                Encoded::Failed(e) => Err(e),
             };
-            pool.submit(bytes, settings.clone())
-                .await
-                .await
-                .map_err(|_| {
-                    GatewayError::new(ErrorKind::NotReady, "the decode pool is shutting down")
-                })
+            async move {
+                match decoded {
+                    Ok(rx) => rx.await.map_err(|_| {
+                        GatewayError::new(ErrorKind::NotReady, "the decode pool is shutting down")
+                    }),
+                    Err(e) => Ok(Err(e)),
+                }
+            }
         })
         .buffered(DECODE_AHEAD)
 }

@@ -1,6 +1,9 @@
-//! A bounded pool of OS threads that decode and resize images, off the async workers.
+//! A pool of OS threads that decode and resize images, off the async workers, shared
+//! fairly: each request's images form a flow, and the threads take one image from each flow
+//! with work in turn, so a single image is not queued behind all of a large upload's.
+use std::collections::{HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use tokio::sync::oneshot;
@@ -20,62 +23,153 @@ struct Task {
     reply: Reply,
 }
 
+#[derive(Default)]
+struct Queue {
+    /// Flows with images waiting, in the order of their next turn.
+    turns: VecDeque<u64>,
+    waiting: HashMap<u64, VecDeque<Task>>,
+    next_flow: u64,
+    closed: bool,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    work: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The next image to decode (one from the flow whose turn it is); `None` once closed.
+    fn next(&self) -> Option<Task> {
+        let mut q = self.lock();
+        loop {
+            if let Some(flow) = q.turns.pop_front() {
+                let tasks = q.waiting.get_mut(&flow).expect("a flow in turn has images");
+                let task = tasks.pop_front().expect("a flow in turn has images");
+                if tasks.is_empty() {
+                    q.waiting.remove(&flow);
+                } else {
+                    q.turns.push_back(flow);
+                }
+                return Some(task);
+            }
+            if q.closed {
+                return None;
+            }
+            q = self.work.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// Stops the threads when the last pool handle is dropped.
+struct Closer(Arc<Shared>);
+
+impl Drop for Closer {
+    fn drop(&mut self) {
+        self.0.lock().closed = true;
+        self.0.work.notify_all();
+    }
+}
+
 /// Cheap to clone; the threads stop when the last handle is dropped.
 #[derive(Clone)]
 pub struct PreprocessPool {
-    tasks: async_channel::Sender<Task>,
+    shared: Arc<Shared>,
+    _closer: Arc<Closer>,
 }
 
 impl PreprocessPool {
-    /// `threads` decoding threads; `queue` tasks may wait for one. A full queue makes
-    /// `submit` wait, which slows the upload that feeds it instead of buffering it all.
-    /// The threads together hold at most `memory` bytes of decoded images.
-    pub fn start(threads: usize, queue: usize, memory: u64, metrics: Arc<Metrics>) -> Self {
-        let (tx, rx) = async_channel::bounded::<Task>(queue.max(1));
+    /// `threads` decoding threads, which together hold at most `memory` bytes of decoded
+    /// images. How many images wait is bounded by their flows (the pipeline submits a few
+    /// ahead per request).
+    pub fn start(threads: usize, memory: u64, metrics: Arc<Metrics>) -> Self {
+        let shared = Arc::new(Shared {
+            queue: Mutex::default(),
+            work: Condvar::new(),
+        });
         let budget = Arc::new(DecodeBudget::new(
             memory,
             Some(metrics.decode_memory_bytes.clone()),
         ));
         for i in 0..threads.max(1) {
-            let (rx, metrics, budget) = (rx.clone(), metrics.clone(), budget.clone());
+            let (shared, metrics, budget) = (shared.clone(), metrics.clone(), budget.clone());
             std::thread::Builder::new()
                 .name(format!("decode/{i}"))
-                .spawn(move || worker(rx, metrics, budget))
+                .spawn(move || worker(&shared, &metrics, &budget))
                 .expect("spawning a decode thread");
         }
-        Self { tasks: tx }
+        Self {
+            _closer: Arc::new(Closer(shared.clone())),
+            shared,
+        }
     }
 
+    /// A new flow: the images of one request.
+    pub fn flow(&self) -> Flow {
+        let id = {
+            let mut q = self.shared.lock();
+            q.next_flow += 1;
+            q.next_flow
+        };
+        Flow {
+            pool: self.clone(),
+            id,
+        }
+    }
+}
+
+/// One request's images on the pool; those still waiting are dropped with it.
+pub struct Flow {
+    pool: PreprocessPool,
+    id: u64,
+}
+
+impl Flow {
     /// Queues one image; the receiver yields its row or why it could not be used.
-    pub async fn submit(
+    pub fn submit(
         &self,
         bytes: Bytes,
         settings: Arc<PreprocessSettings>,
     ) -> oneshot::Receiver<Result<Row, PreprocessError>> {
         let (reply, rx) = oneshot::channel();
-        // The threads live as long as any sender, so this only fails if a thread
-        // panicked outside the guarded decode; the dropped reply then reads as an error.
-        let _ = self
-            .tasks
-            .send(Task {
-                bytes,
-                settings,
-                reply,
-            })
-            .await;
+        let mut q = self.pool.shared.lock();
+        let tasks = q.waiting.entry(self.id).or_default();
+        let first = tasks.is_empty();
+        tasks.push_back(Task {
+            bytes,
+            settings,
+            reply,
+        });
+        if first {
+            q.turns.push_back(self.id);
+        }
+        drop(q);
+        self.pool.shared.work.notify_one();
         rx
     }
 }
 
-fn worker(rx: async_channel::Receiver<Task>, metrics: Arc<Metrics>, budget: Arc<DecodeBudget>) {
-    while let Ok(task) = rx.recv_blocking() {
+impl Drop for Flow {
+    fn drop(&mut self) {
+        let mut q = self.pool.shared.lock();
+        if q.waiting.remove(&self.id).is_some() {
+            q.turns.retain(|&f| f != self.id);
+        }
+    }
+}
+
+fn worker(shared: &Shared, metrics: &Metrics, budget: &DecodeBudget) {
+    while let Some(task) = shared.next() {
         if task.reply.is_closed() {
             continue; // nobody waits for it (client went away)
         }
         let started = std::time::Instant::now();
         let mut row = vec![0u8; task.settings.row_len()];
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            decode_into(&task.bytes, &task.settings, &budget, &mut row)
+            decode_into(&task.bytes, &task.settings, budget, &mut row)
         }))
         .unwrap_or_else(|_| {
             Err(PreprocessError::Invalid(
@@ -93,28 +187,71 @@ fn worker(rx: async_channel::Receiver<Task>, metrics: Arc<Metrics>, budget: Arc<
 mod tests {
     use super::*;
 
-    #[tokio::test]
-    async fn pool_decodes_and_reports_errors_per_task() {
-        let pool = PreprocessPool::start(2, 4, 1 << 30, Arc::new(Metrics::new()));
-        let settings = Arc::new(PreprocessSettings {
+    fn png(side: u32, rgb: [u8; 3]) -> Bytes {
+        encode(image::RgbImage::from_pixel(side, side, image::Rgb(rgb)))
+    }
+
+    /// Noise: slow to decode.
+    fn noise_png(side: u32) -> Bytes {
+        let mut x = 12345u32;
+        encode(image::RgbImage::from_fn(side, side, |_, _| {
+            x = x.wrapping_mul(1664525).wrapping_add(1013904223);
+            image::Rgb([(x >> 24) as u8, (x >> 16) as u8, (x >> 8) as u8])
+        }))
+    }
+
+    fn encode(img: image::RgbImage) -> Bytes {
+        let mut png = std::io::Cursor::new(Vec::new());
+        image::DynamicImage::ImageRgb8(img)
+            .write_to(&mut png, image::ImageFormat::Png)
+            .unwrap();
+        Bytes::from(png.into_inner())
+    }
+
+    fn settings() -> Arc<PreprocessSettings> {
+        Arc::new(PreprocessSettings {
             width: 8,
             height: 8,
             dct_scaling_min_side: 0,
-            max_pixels: 1 << 20,
-        });
-        let mut png = std::io::Cursor::new(Vec::new());
-        image::DynamicImage::ImageRgb8(image::RgbImage::from_pixel(4, 4, image::Rgb([9, 8, 7])))
-            .write_to(&mut png, image::ImageFormat::Png)
-            .unwrap();
-        let good = pool
-            .submit(Bytes::from(png.into_inner()), settings.clone())
-            .await;
-        let bad = pool
-            .submit(Bytes::from_static(b"nope"), settings.clone())
-            .await;
+            max_pixels: 1 << 24,
+        })
+    }
+
+    #[tokio::test]
+    async fn pool_decodes_and_reports_errors_per_task() {
+        let pool = PreprocessPool::start(2, 1 << 30, Arc::new(Metrics::new()));
+        let flow = pool.flow();
+        let good = flow.submit(png(4, [9, 8, 7]), settings());
+        let bad = flow.submit(Bytes::from_static(b"nope"), settings());
         let row = good.await.unwrap().unwrap();
         assert_eq!(row.len(), 8 * 8 * 3);
         assert_eq!(&row[..3], &[9, 8, 7]);
         assert_eq!(bad.await.unwrap().unwrap_err().code(), "invalid_image");
+    }
+
+    #[tokio::test]
+    async fn flows_take_turns_so_a_later_single_image_is_not_queued_behind_a_large_one() {
+        let pool = PreprocessPool::start(1, 1 << 30, Arc::new(Metrics::new()));
+        let (large, single) = (pool.flow(), pool.flow());
+        // 20 images of a large upload, then one of another request (encoded beforehand).
+        let (photo, small) = (noise_png(1000), png(4, [4, 5, 6]));
+        let big: Vec<_> = (0..20)
+            .map(|_| large.submit(photo.clone(), settings()))
+            .collect();
+        let one = single.submit(small, settings());
+        one.await.unwrap().unwrap();
+        // The single image was decoded within the first few of the large upload's.
+        let mut done = 0;
+        for mut rx in big {
+            if rx.try_recv().is_ok() {
+                done += 1;
+            }
+        }
+        // FIFO would have decoded all 20 first.
+        assert!(done <= 8, "{done} of the large upload's images went first");
+        // Once a flow is dropped (its images waiting with it), the pool goes on.
+        drop(large);
+        let again = single.submit(png(4, [7, 7, 7]), settings());
+        assert_eq!(&again.await.unwrap().unwrap()[..3], &[7, 7, 7]);
     }
 }

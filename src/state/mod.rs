@@ -140,9 +140,8 @@ impl AppState {
         decode_memory: u64,
     ) -> AppState {
         let metrics = opts.metrics.clone();
-        let queue = decode_threads * 4;
         AppState {
-            pool: PreprocessPool::start(decode_threads, queue, decode_memory, metrics.clone()),
+            pool: PreprocessPool::start(decode_threads, decode_memory, metrics.clone()),
             registry: Registry::start(scan, opts, control),
             drain: Default::default(),
             limits,
