@@ -325,14 +325,14 @@ fn decode_with_image<'a>(
     let (w, h) = decoder.dimensions();
     let (w, h) = (u64::from(w), u64::from(h));
     check_pixels(w, h, settings)?;
-    // The image in the decoder's colour type, then its RGB8 copy unless it is RGB8; lossy
-    // WebP is decoded through Y, U and V planes first (1.5 bytes a pixel).
+    // The image in the decoder's colour type, then its RGB8 copy unless it is RGB8.
     let mut need = decoder.total_bytes();
-    if decoder.color_type() != image::ColorType::Rgb8 {
+    let rgb8 = decoder.color_type() == image::ColorType::Rgb8;
+    if !rgb8 {
         need += w * h * 3;
     }
     if format == ImageFormat::WebP {
-        need += w * h * 3 / 2;
+        need += webp_working_bytes(bytes, w * h, !rgb8);
     }
     need += resize_bytes(w, h, settings);
     let reserved = budget.reserve(need, w, h)?;
@@ -344,6 +344,47 @@ fn decode_with_image<'a>(
         pixels: rgb.into_raw(),
         _reserved: reserved,
     })
+}
+
+/// What the WebP decoder holds besides its output, by what the file's chunks say it is:
+/// a lossless image without alpha is decoded as RGBA (4 bytes a pixel) before its RGB copy;
+/// a lossy one through Y, U and V planes (1.5) from two copies of its compressed data, its
+/// alpha channel as a lossless RGBA image plus two planes (6); an animation's first frame
+/// is composed on an RGBA canvas from an RGBA frame (8) decoded as above. The frames of an
+/// animation are not opened: it is counted at its worst. Each kind is held to this by
+/// `tests/decode_reserves_what_it_allocates.rs`.
+fn webp_working_bytes(bytes: &[u8], pixels: u64, has_alpha: bool) -> u64 {
+    let (mut animated, mut lossless, mut alpha) = (false, false, false);
+    // The RIFF header (12 bytes), then chunks: a FourCC, a little-endian size, the data
+    // padded to an even length.
+    let mut at = 12usize;
+    while let Some(head) = bytes.get(at..).and_then(|rest| rest.get(..8)) {
+        match &head[..4] {
+            b"ANIM" | b"ANMF" => animated = true,
+            b"VP8L" => lossless = true,
+            b"ALPH" => alpha = true,
+            _ => {}
+        }
+        let size = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
+        at = at
+            .saturating_add(8)
+            .saturating_add(size)
+            .saturating_add(size & 1);
+    }
+    let compressed = 2 * bytes.len() as u64;
+    // Half bytes a pixel, so that 1.5 stays whole.
+    let lossy = |alpha: bool| 3 + if alpha { 12 } else { 0 };
+    if animated {
+        pixels * (16 + lossy(true)) / 2 + compressed
+    } else if lossless {
+        if has_alpha {
+            0
+        } else {
+            pixels * 4
+        }
+    } else {
+        pixels * lossy(alpha) / 2 + compressed
+    }
 }
 
 /// Resizes (antialiased bilinear, as Pillow/torchvision) and applies the EXIF orientation.
@@ -413,6 +454,23 @@ mod tests {
                 image::Rgb([0, 0, 255])
             }
         })
+    }
+
+    #[test]
+    fn webp_kind_is_read_from_its_chunks_whatever_their_sizes_say() {
+        // A lossless chunk claiming 4 GiB: found, and the walk ends at the end of the data.
+        let lossless = b"RIFF\0\0\0\0WEBPVP8L\xff\xff\xff\xff";
+        assert_eq!(webp_working_bytes(lossless, 10, false), 40);
+        assert_eq!(webp_working_bytes(lossless, 10, true), 0);
+        // Lossy with alpha: planes (1.5) and alpha (6) a pixel, two copies of the file.
+        let alpha =
+            b"RIFF\0\0\0\0WEBPVP8X\x0a\0\0\0\0\0\0\0\0\0\0\0\0\0ALPH\x01\0\0\0\0\0VP8 \0\0\0\0";
+        assert_eq!(
+            webp_working_bytes(alpha, 10, true),
+            75 + 2 * alpha.len() as u64
+        );
+        // Too short to hold a chunk: lossy, the least.
+        assert_eq!(webp_working_bytes(b"RIFF", 10, false), 15 + 8);
     }
 
     #[test]
