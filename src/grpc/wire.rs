@@ -198,8 +198,7 @@ fn contents_cost(contents: &[u8]) -> Option<usize> {
     let element = |number: u32| -> usize {
         match number {
             1 => 2 + 1,
-            2 | 4 => 2 * 4 + 4,
-            6 => 2 * 4 + 4,
+            2 | 4 | 6 => 2 * 4 + 4,
             _ => 2 * 8 + 8,
         }
     };

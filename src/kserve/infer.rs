@@ -127,8 +127,7 @@ pub async fn infer(
             let ModelKind::Classifier(spec) = &model.kind else {
                 unreachable!("a served classifier is a classifier in the repository")
             };
-            let rows = tensor_rows(input, &req.model, spec.height, spec.width)?;
-            max_rows.check(input, &req.model, rows.len())?;
+            let rows = tensor_rows(input, &req.model, spec.height, spec.width, max_rows)?;
             let request = RequestSpec {
                 options: req.options,
                 format: RowFormat::TensorF32,
@@ -146,12 +145,13 @@ pub async fn infer(
             // Its rows and their FP32 output are held at once: as Triton, it takes at most
             // its max_batch_size rows.
             let most = usize::try_from(model.config.max_batch_size.max(1)).unwrap_or(1);
-            let limit = match most < max_rows.rows {
-                true => RowLimit {
+            let limit = if most < max_rows.rows {
+                RowLimit {
                     rows: most,
                     why: "the preprocessor's max_batch_size",
-                },
-                false => max_rows,
+                }
+            } else {
+                max_rows
             };
             let images = image_rows(input, &req.model, limit)?;
             let rows = decode_all(state, preprocess, images, &input.name, &req.model).await?;
@@ -377,10 +377,13 @@ fn tensor_rows(
     model: &str,
     height: usize,
     width: usize,
+    max_rows: RowLimit,
 ) -> Result<Vec<Row>, GatewayError> {
     let expected = [3, height as i64, width as i64];
     match (input.datatype, input.shape.as_slice()) {
-        (DataType::Fp32, [n, rest @ ..]) if *n > 0 && rest == expected => {}
+        (DataType::Fp32, [n, rest @ ..]) if *n > 0 && rest == expected => {
+            max_rows.check(input, model, usize::try_from(*n).unwrap_or(usize::MAX))?;
+        }
         _ => {
             return Err(GatewayError::invalid(format!(
                 "input '{}' of model '{model}' must be FP32 [N, 3, {height}, {width}]; got {} {:?}",

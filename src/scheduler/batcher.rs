@@ -18,7 +18,7 @@ use crate::telemetry::{micros, Metrics};
 struct Pending {
     job: Arc<JobState>,
     next_row: usize,
-    /// When the job times out if none of its rows was cut by then.
+    /// When the job times out if none of its request's rows was cut by then.
     deadline: Option<Instant>,
     /// Frees the request's queue place when its last job leaves the queue.
     _place: Arc<QueuePlace>,
@@ -30,10 +30,25 @@ impl Pending {
     }
 }
 
-/// The pending jobs: one FIFO per priority level, highest first, and after them the jobs
-/// whose timeout passed under `DELAY`, which run only when nothing else waits.
+/// The jobs of one request waiting at one level, in the order they were submitted.
+struct Waiting {
+    jobs: VecDeque<Pending>,
+    rows: usize,
+}
+
+impl Waiting {
+    fn front(&self) -> &Pending {
+        self.jobs.front().expect("a waiting request has a job")
+    }
+}
+
+/// The pending jobs: per priority level (highest first, and after them the jobs whose
+/// timeout passed under `DELAY`, which run only when nothing else waits) the requests
+/// waiting there, in turn. A batch takes the rows of a level's requests in turn, an equal
+/// share each, so a request that arrives behind a large upload's queued rows rides in the
+/// next batch rather than after all of them.
 struct Queue {
-    levels: Vec<VecDeque<Pending>>,
+    levels: Vec<VecDeque<Waiting>>,
     rows: usize,
 }
 
@@ -52,22 +67,44 @@ impl Queue {
     }
 
     fn push(&mut self, admitted: Admitted) {
-        self.rows += admitted.job.rows();
         let level = admitted.level.min(self.delayed_level() - 1);
         let deadline = admitted.timeout.map(|t| admitted.job.enqueued_at + t);
-        self.levels[level].push_back(Pending {
-            job: admitted.job,
-            next_row: 0,
-            deadline,
-            _place: admitted.place,
-        });
+        self.enqueue(
+            level,
+            Pending {
+                job: admitted.job,
+                next_row: 0,
+                deadline,
+                _place: admitted.place,
+            },
+        );
+    }
+
+    /// Behind its request's other jobs at `level`, or as a request taking the last turn.
+    fn enqueue(&mut self, level: usize, p: Pending) {
+        let rows = p.rows_left();
+        self.rows += rows;
+        let requests = &mut self.levels[level];
+        let at = requests
+            .iter()
+            .position(|w| Arc::ptr_eq(&w.front().job.request, &p.job.request))
+            .unwrap_or_else(|| {
+                requests.push_back(Waiting {
+                    jobs: VecDeque::new(),
+                    rows: 0,
+                });
+                requests.len() - 1
+            });
+        requests[at].rows += rows;
+        requests[at].jobs.push_back(p);
     }
 
     fn jobs(&self) -> impl Iterator<Item = &Pending> {
-        self.levels.iter().flatten()
+        self.levels.iter().flatten().flat_map(|w| &w.jobs)
     }
 
-    fn len(&self) -> usize {
+    /// Requests waiting (one partly delayed counts at both of its levels).
+    fn requests(&self) -> usize {
         self.levels.iter().map(VecDeque::len).sum()
     }
 
@@ -75,58 +112,65 @@ impl Queue {
         self.levels.iter().all(VecDeque::is_empty)
     }
 
-    /// Drops jobs nobody waits for any more (their client disconnected); returns how many.
-    fn drop_abandoned(&mut self) -> usize {
-        let rows = &mut self.rows;
-        let mut dropped = 0;
-        for level in &mut self.levels {
-            level.retain(|p| {
-                let keep = !p.job.abandoned();
-                if !keep {
-                    *rows -= p.rows_left();
-                    dropped += 1;
+    /// Takes out of the queue the jobs `leave(level, job)` picks, each with its level.
+    fn remove(&mut self, mut leave: impl FnMut(usize, &Pending) -> bool) -> Vec<(usize, Pending)> {
+        let mut gone = Vec::new();
+        for (level, requests) in self.levels.iter_mut().enumerate() {
+            for waiting in requests.iter_mut() {
+                let jobs = std::mem::take(&mut waiting.jobs);
+                for p in jobs {
+                    if leave(level, &p) {
+                        waiting.rows -= p.rows_left();
+                        self.rows -= p.rows_left();
+                        gone.push((level, p));
+                    } else {
+                        waiting.jobs.push_back(p);
+                    }
                 }
-                keep
-            });
+            }
+            requests.retain(|w| !w.jobs.is_empty());
         }
-        dropped
+        gone
     }
 
-    /// Jobs none of whose rows was cut by their deadline: under `Reject` they are answered
-    /// with a timeout and leave, under `Delay` they move behind every other job.
+    /// Drops jobs nobody waits for any more (their client disconnected); returns how many.
+    fn drop_abandoned(&mut self) -> usize {
+        self.remove(|_, p| p.job.abandoned()).len()
+    }
+
+    /// Fails every job with `error` (nothing can run them).
+    fn fail_all(&mut self, error: impl Fn() -> SchedulerError) {
+        for (_, p) in self.remove(|_, _| true) {
+            p.job.fail(error());
+        }
+    }
+
+    /// Jobs none of whose request's rows was cut by their deadline: under `Reject` they
+    /// are answered with a timeout and leave, under `Delay` they move behind every other
+    /// job.
     fn expire(&mut self, now: Instant, policy: &BatchPolicy, model: &str) {
         let delayed = self.delayed_level();
-        for level in 0..delayed {
+        let expired = self.remove(|level, p| {
+            level < delayed && !p.job.request.started() && p.deadline.is_some_and(|d| now >= d)
+        });
+        for (level, mut p) in expired {
             let action = policy
                 .queues
                 .get(level)
                 .map_or(TimeoutAction::Reject, |q| q.timeout_action);
-            let mut i = 0;
-            while i < self.levels[level].len() {
-                let p = &self.levels[level][i];
-                let expired = !p.job.request.started() && p.deadline.is_some_and(|d| now >= d);
-                if !expired {
-                    i += 1;
-                    continue;
+            match action {
+                TimeoutAction::Reject => {
+                    let waited = now - p.job.enqueued_at;
+                    let timeout = p.deadline.map_or(waited, |d| d - p.job.enqueued_at);
+                    p.job.fail(SchedulerError::Expired {
+                        model: model.to_string(),
+                        waited_ms: waited.as_millis() as u64,
+                        timeout_ms: timeout.as_millis() as u64,
+                    });
                 }
-                let mut p = self.levels[level]
-                    .remove(i)
-                    .expect("index checked against the length");
-                match action {
-                    TimeoutAction::Reject => {
-                        self.rows -= p.rows_left();
-                        let waited = now - p.job.enqueued_at;
-                        let timeout = p.deadline.map_or(waited, |d| d - p.job.enqueued_at);
-                        p.job.fail(SchedulerError::Expired {
-                            model: model.to_string(),
-                            waited_ms: waited.as_millis() as u64,
-                            timeout_ms: timeout.as_millis() as u64,
-                        });
-                    }
-                    TimeoutAction::Delay => {
-                        p.deadline = None;
-                        self.levels[delayed].push_back(p);
-                    }
+                TimeoutAction::Delay => {
+                    p.deadline = None;
+                    self.enqueue(delayed, p);
                 }
             }
         }
@@ -140,52 +184,76 @@ impl Queue {
             .min()
     }
 
-    fn head(&self) -> Option<&Pending> {
-        self.levels.iter().find_map(|l| l.front())
-    }
-
+    /// Rows of the request whose turn it is.
     fn head_rows(&self) -> usize {
-        self.head().map_or(0, Pending::rows_left)
+        self.levels
+            .iter()
+            .find_map(|l| l.front())
+            .map_or(0, |w| w.rows)
     }
 
-    /// The longest-waiting job at the front of any level.
+    /// When the longest-waiting row arrived.
     fn oldest(&self) -> Option<Instant> {
         self.levels
             .iter()
-            .filter_map(|l| l.front())
-            .map(|p| p.job.enqueued_at)
+            .flatten()
+            .map(|w| w.front().job.enqueued_at)
             .min()
     }
 
-    /// Takes up to `n` rows, highest priority first. Only jobs with the same row format
-    /// (normalization) share a batch, since the whole batch is normalized at once on the device.
-    /// Marks each request whose first rows leave the queue started (it can no longer time
-    /// out) and calls `started(job)` with the job they came from (its wait is the request's
-    /// queue time).
-    fn cut(&mut self, n: usize, mut started: impl FnMut(&JobState)) -> Batch {
+    /// Takes up to `n` rows, highest priority first; within a level, from its requests in
+    /// turn, `n` shared equally between them (what one leaves goes to the others), each
+    /// request's rows in order. With `one_request` the batch is only the rows of the request
+    /// whose turn it is (a model without dynamic batching). Only jobs with the same row
+    /// format (normalization) share a batch, since the whole batch is normalized at once on
+    /// the device. Marks each request whose first rows leave the queue started (it can no
+    /// longer time out) and calls `started(job)` with the job they came from (its wait is
+    /// the request's queue time).
+    fn cut(&mut self, n: usize, one_request: bool, mut started: impl FnMut(&JobState)) -> Batch {
         let mut parts: Vec<(Arc<JobState>, std::ops::Range<usize>)> = Vec::new();
         let mut left = n;
-        while left > 0 {
-            let Some(level) = self.levels.iter_mut().find(|l| !l.is_empty()) else {
-                break;
+        'levels: for requests in &mut self.levels {
+            let share = if one_request {
+                n
+            } else {
+                left.div_ceil(requests.len().max(1))
             };
-            let front = level.front_mut().expect("level is not empty");
-            if let Some((first, _)) = parts.first() {
-                if first.job.format != front.job.job.format {
-                    break;
+            while left > 0 {
+                let Some(mut waiting) = requests.pop_front() else {
+                    continue 'levels;
+                };
+                if let Some((first, _)) = parts.first() {
+                    if first.job.format != waiting.front().job.job.format {
+                        requests.push_front(waiting);
+                        break 'levels;
+                    }
+                }
+                let mut turn = share.min(left);
+                while turn > 0 {
+                    let Some(front) = waiting.jobs.front_mut() else {
+                        break;
+                    };
+                    if front.job.request.start() {
+                        started(&front.job);
+                    }
+                    let take = turn.min(front.rows_left());
+                    parts.push((front.job.clone(), front.next_row..front.next_row + take));
+                    front.next_row += take;
+                    waiting.rows -= take;
+                    turn -= take;
+                    left -= take;
+                    if front.rows_left() == 0 {
+                        waiting.jobs.pop_front();
+                    }
+                }
+                if !waiting.jobs.is_empty() {
+                    requests.push_back(waiting);
+                }
+                if one_request {
+                    break 'levels;
                 }
             }
-            if front.job.request.start() {
-                started(&front.job);
-            }
-            let take = left.min(front.rows_left());
-            let range = front.next_row..front.next_row + take;
-            front.next_row += take;
-            parts.push((front.job.clone(), range));
-            left -= take;
-            if front.rows_left() == 0 {
-                level.pop_front();
-            }
+            break;
         }
         self.rows -= n - left;
         Batch { parts }
@@ -217,21 +285,14 @@ pub(super) async fn run_batcher(
     let mut idle: VecDeque<Slot> = VecDeque::new();
     let mut jobs_open = true;
     let mut state_open = true;
-    let fail_all = |queue: &mut Queue| {
-        for level in &mut queue.levels {
-            for p in level.drain(..) {
-                p.job.fail(SchedulerError::NotReady {
-                    model: model.clone(),
-                });
-            }
-        }
-        queue.rows = 0;
+    let not_ready = || SchedulerError::NotReady {
+        model: model.clone(),
     };
     loop {
         // With every instance down (restarting), nothing would run what waits: it is
         // answered now, as what arrives until one is back.
         if matches!(*state.borrow(), ModelState::Down(_)) {
-            fail_all(&mut queue);
+            queue.fail_all(not_ready);
         }
         let mut timer = None;
         if has_timeouts {
@@ -256,7 +317,7 @@ pub(super) async fn run_batcher(
                     break;
                 }
                 Decision::Cut(n) => {
-                    let batch = queue.cut(n, |job| {
+                    let batch = queue.cut(n, !policy.merge_requests, |job| {
                         queue_us.inc_by(micros(now - job.enqueued_at));
                     });
                     let slot = idle.pop_front().expect("loop runs only with an idle slot");
@@ -274,7 +335,7 @@ pub(super) async fn run_batcher(
         if has_timeouts {
             timer = [timer, queue.next_deadline()].into_iter().flatten().min();
         }
-        pending_gauge.set(queue.len() as i64);
+        pending_gauge.set(queue.requests() as i64);
         if !jobs_open && queue.is_empty() {
             break; // drained: dropping the slots ends the instance threads
         }
@@ -290,7 +351,7 @@ pub(super) async fn run_batcher(
                 Some(slot) => idle.push_back(slot),
                 None => {
                     // Every instance is gone: nothing can run what is queued.
-                    fail_all(&mut queue);
+                    queue.fail_all(not_ready);
                     break;
                 }
             },
@@ -301,7 +362,7 @@ pub(super) async fn run_batcher(
             changed = state.changed(), if state_open => state_open = changed.is_ok(),
             _ = sleep => {}
             _ = stop.cancelled() => {
-                fail_all(&mut queue);
+                queue.fail_all(not_ready);
                 break;
             }
         }
@@ -372,17 +433,68 @@ mod tests {
         }
     }
 
+    /// A second job of `first`'s request.
+    fn same_request(first: &Admitted, rows: usize) -> (Admitted, oneshot::Receiver<JobResult>) {
+        let (mut next, rx) = job(rows, 0.0);
+        Arc::get_mut(&mut next.job).unwrap().request = first.job.request.clone();
+        (next, rx)
+    }
+
     #[test]
     fn cut_splits_a_large_job_into_ranges_and_merges_small_ones() {
         let mut q = Queue::new(1);
         let (a, _ra) = job(5, 0.0);
-        let (b, _rb) = job(2, 0.0);
+        let (a2, _ra2) = same_request(&a, 2);
         q.push(a);
-        q.push(b);
-        assert_eq!(ranges(&q.cut(3, |_| {})), vec![0..3]);
-        assert_eq!(ranges(&q.cut(4, |_| {})), vec![3..5, 0..2]);
+        q.push(a2);
+        assert_eq!(q.requests(), 1);
+        assert_eq!(q.head_rows(), 7);
+        assert_eq!(ranges(&q.cut(3, false, |_| {})), vec![0..3]);
+        assert_eq!(ranges(&q.cut(4, false, |_| {})), vec![3..5, 0..2]);
         assert_eq!(q.rows, 0);
         assert!(q.is_empty());
+    }
+
+    #[test]
+    fn a_request_behind_a_large_one_shares_the_next_batch() {
+        let mut q = Queue::new(1);
+        let (large, _rl) = job(100, 0.0);
+        let (single, _rs) = job(1, 0.0);
+        let (large_job, single_job) = (large.job.clone(), single.job.clone());
+        q.push(large);
+        q.push(single);
+        // Four rows each at most; what the single request leaves goes back to the large one.
+        let b = q.cut(8, false, |_| {});
+        assert_eq!(ranges(&b), vec![0..4, 0..1, 4..7]);
+        assert!(Arc::ptr_eq(&b.parts[0].0, &large_job));
+        assert!(Arc::ptr_eq(&b.parts[1].0, &single_job));
+        assert_eq!(q.rows, 93);
+        // Three requests: the later two are not kept waiting for the first one's turn.
+        let (b2, _r2) = job(5, 0.0);
+        let (b3, _r3) = job(5, 0.0);
+        q.push(b2);
+        q.push(b3);
+        assert_eq!(ranges(&q.cut(6, false, |_| {})), vec![7..9, 0..2, 0..2]);
+        assert_eq!(ranges(&q.cut(6, false, |_| {})), vec![9..11, 2..4, 2..4]);
+    }
+
+    #[test]
+    fn without_dynamic_batching_a_batch_is_one_request_and_requests_take_turns() {
+        let mut q = Queue::new(1);
+        let (a, _ra) = job(3, 0.0);
+        let (a2, _ra2) = same_request(&a, 3);
+        let (b, _rb) = job(2, 0.0);
+        let (a_job, b_job) = (a.job.clone(), b.job.clone());
+        q.push(a);
+        q.push(a2);
+        q.push(b);
+        let first = q.cut(4, true, |_| {});
+        assert_eq!(ranges(&first), vec![0..3, 0..1]);
+        assert!(Arc::ptr_eq(&first.parts[0].0, &a_job));
+        let second = q.cut(q.head_rows(), true, |_| {});
+        assert_eq!(ranges(&second), vec![0..2]);
+        assert!(Arc::ptr_eq(&second.parts[0].0, &b_job));
+        assert_eq!(q.head_rows(), 2);
     }
 
     #[test]
@@ -392,7 +504,7 @@ mod tests {
         let (b, _rb) = job(2, 0.5);
         q.push(a);
         q.push(b);
-        assert_eq!(q.cut(4, |_| {}).rows(), 2);
+        assert_eq!(q.cut(4, false, |_| {}).rows(), 2);
         assert_eq!(q.rows, 2);
     }
 
@@ -406,7 +518,7 @@ mod tests {
         drop(ra);
         assert_eq!(q.drop_abandoned(), 1);
         assert_eq!(q.rows, 2);
-        assert_eq!(q.len(), 1);
+        assert_eq!(q.requests(), 1);
     }
 
     #[test]
@@ -419,7 +531,7 @@ mod tests {
         q.push(low);
         q.push(high);
         assert_eq!(q.head_rows(), 2);
-        let b = q.cut(4, |_| {});
+        let b = q.cut(4, false, |_| {});
         assert!(Arc::ptr_eq(&b.parts[0].0, &high_job));
         assert!(Arc::ptr_eq(&b.parts[1].0, &low_job));
         assert_eq!(ranges(&b), vec![0..2, 0..2]);
@@ -436,10 +548,10 @@ mod tests {
         q.push(a);
         q.push(b);
         q.expire(t0 + Duration::from_millis(5), &p, "m");
-        assert_eq!(q.len(), 2, "not yet expired");
+        assert_eq!(q.requests(), 2, "not yet expired");
         assert_eq!(q.next_deadline(), Some(t0 + Duration::from_millis(10)));
         q.expire(t0 + Duration::from_millis(11), &p, "m");
-        assert_eq!(q.len(), 1);
+        assert_eq!(q.requests(), 1);
         assert_eq!(q.rows, 1);
         match ra.try_recv() {
             Ok(Err(SchedulerError::Expired { timeout_ms, .. })) => assert_eq!(timeout_ms, 10),
@@ -462,9 +574,9 @@ mod tests {
         q.expire(t0 + Duration::from_millis(20), &p, "m");
         assert!(ra.try_recv().is_err(), "delayed, not answered");
         assert_eq!(q.rows, 2);
-        let first = q.cut(1, |_| {});
+        let first = q.cut(1, false, |_| {});
         assert!(Arc::ptr_eq(&first.parts[0].0, &b_job));
-        let second = q.cut(1, |_| {});
+        let second = q.cut(1, false, |_| {});
         assert!(Arc::ptr_eq(&second.parts[0].0, &a_job));
     }
 
@@ -475,7 +587,7 @@ mod tests {
         let (a, mut ra) = job_at(5, 0.0, 0, Some(Duration::from_millis(10)));
         let t0 = a.job.enqueued_at;
         q.push(a);
-        q.cut(2, |_| {});
+        q.cut(2, false, |_| {});
         q.expire(t0 + Duration::from_secs(1), &p, "m");
         assert_eq!(q.rows, 3);
         assert!(ra.try_recv().is_err());
@@ -492,7 +604,7 @@ mod tests {
         let t0 = a.job.enqueued_at;
         q.push(a);
         q.push(b);
-        q.cut(2, |_| {});
+        q.cut(2, false, |_| {});
         q.expire(t0 + Duration::from_secs(1), &p, "m");
         assert_eq!(q.rows, 2);
         assert!(rb.try_recv().is_err(), "its request already started");

@@ -334,6 +334,11 @@ fn warm_up(
         BatchSizeChoice::Pinned(n) => return Ok(*n),
         BatchSizeChoice::Tune(c) => c,
     };
+    // One instance of the process times its candidates at a time: instances warming up
+    // together (on one GPU, or on the CPU's cores) would each time the others' work too,
+    // and the last to finish would find large batches cheaper than they are.
+    static TIMING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _alone = TIMING.lock().unwrap_or_else(|e| e.into_inner());
     let mut table: Vec<(usize, f64)> = Vec::new();
     let mut best = f64::INFINITY;
     let mut worse_in_a_row = 0;
