@@ -1,5 +1,6 @@
-//! KServe v2 read-only endpoints: server metadata, model metadata and readiness, with
-//! Triton's shapes and datatype names, and JSON errors for unknown models and versions.
+//! KServe v2 read-only endpoints: server metadata, model metadata, liveness and readiness
+//! (KServe's bodies, Triton's status codes), with Triton's shapes and datatype names, and
+//! JSON errors for unknown models and versions.
 mod common;
 
 use std::time::Duration;
@@ -47,12 +48,22 @@ async fn v2_metadata_and_readiness_describe_the_repository() {
     assert_eq!(ensemble["inputs"][0]["name"], "RAW_IMAGE");
     assert_eq!(ensemble["inputs"][0]["datatype"], "UINT8");
 
-    for ready in [
-        "/v2/models/classifier/ready",
-        "/v2/models/preprocessor/ready",
-        "/v2/models/ensemble_model/versions/1/ready",
+    // KServe's bodies, with Triton's status codes.
+    assert_eq!(get("/v2/health/live").await, (200, json!({"live": true})));
+    assert_eq!(get("/v2/health/ready").await, (200, json!({"ready": true})));
+    for (model, ready) in [
+        ("classifier", "/v2/models/classifier/ready"),
+        ("preprocessor", "/v2/models/preprocessor/ready"),
+        (
+            "ensemble_model",
+            "/v2/models/ensemble_model/versions/1/ready",
+        ),
     ] {
-        assert_eq!(get(ready).await.0, 200, "{ready}");
+        assert_eq!(
+            get(ready).await,
+            (200, json!({"name": model, "ready": true})),
+            "{ready}"
+        );
     }
 
     let (status, body) = get("/v2/models/resnet50").await;

@@ -74,11 +74,18 @@ pub async fn model_config(
     Ok(HttpResponse::Ok().json(model_config_json(&served.repository_model().config)))
 }
 
+/// KServe v2's model ready response.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct ModelReadyBody {
+    pub name: String,
+    pub ready: bool,
+}
+
 /// 200 when the model is ready; 400 while it is not (as Triton).
 #[utoipa::path(get, path = "/v2/models/{model}/ready", tag = "kserve",
     params(("model" = String, Path, description = "Model name")),
     responses(
-        (status = 200, description = "The model is ready"),
+        (status = 200, description = "The model is ready", body = ModelReadyBody),
         (status = 400, description = "The model is loading or failed", body = ErrorBody),
         (status = 404, description = "Unknown model or version", body = ErrorBody),
     ))]
@@ -89,7 +96,10 @@ pub async fn model_ready(
     let served = path.served(&state)?;
     // Triton answers 200 when ready and 400 when not.
     Ok(if served.is_ready() {
-        HttpResponse::Ok().finish()
+        HttpResponse::Ok().json(ModelReadyBody {
+            name: path.model.clone(),
+            ready: true,
+        })
     } else {
         HttpResponse::BadRequest().json(crate::error::ErrorBody {
             error: format!("model '{}' is not ready", path.model),
