@@ -196,8 +196,15 @@ compose() { "$COMPOSE" -p "$PROJECT" "${COMPOSE_FILES[@]}" "$@"; }
 # --- build ------------------------------------------------------------------------------
 say "docker compose build (log: $ART/build.log)"
 start=$(date +%s)
+# podman's builds leave a buildah working container per stage behind, each pinning GBs of
+# layers that no prune can free: those this build leaves are removed once it is done.
+working() { podman ps -a --external --format '{{.ID}}' 2>/dev/null | sort; }
+before=$(working)
 compose build > "$ART/build.log" 2>&1 || { tail -40 "$ART/build.log"; fail "the image does not build"; }
 timing "build" "$(since "$start")"
+for left in $(comm -13 <(echo "$before") <(working)); do
+  podman rm -f "$left" > /dev/null 2>&1 || buildah rm "$left" > /dev/null 2>&1 || true
+done
 # The images earlier builds left untagged (GBs each) go; the new image's layers stay.
 podman image prune -f > /dev/null 2>&1 || true
 size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
