@@ -33,12 +33,15 @@ impl Pending {
 /// The jobs of one request waiting at one level, in the order they were submitted.
 struct Waiting {
     jobs: VecDeque<Pending>,
-    rows: usize,
 }
 
 impl Waiting {
     fn front(&self) -> &Pending {
         self.jobs.front().expect("a waiting request has a job")
+    }
+
+    fn rows(&self) -> usize {
+        self.jobs.iter().map(Pending::rows_left).sum()
     }
 }
 
@@ -82,8 +85,7 @@ impl Queue {
 
     /// Behind its request's other jobs at `level`, or as a request taking the last turn.
     fn enqueue(&mut self, level: usize, p: Pending) {
-        let rows = p.rows_left();
-        self.rows += rows;
+        self.rows += p.rows_left();
         let requests = &mut self.levels[level];
         let at = requests
             .iter()
@@ -91,11 +93,9 @@ impl Queue {
             .unwrap_or_else(|| {
                 requests.push_back(Waiting {
                     jobs: VecDeque::new(),
-                    rows: 0,
                 });
                 requests.len() - 1
             });
-        requests[at].rows += rows;
         requests[at].jobs.push_back(p);
     }
 
@@ -117,14 +117,15 @@ impl Queue {
         let mut gone = Vec::new();
         for (level, requests) in self.levels.iter_mut().enumerate() {
             for waiting in requests.iter_mut() {
-                let jobs = std::mem::take(&mut waiting.jobs);
-                for p in jobs {
-                    if leave(level, &p) {
-                        waiting.rows -= p.rows_left();
+                // In place: this runs each time the batcher looks for a batch.
+                let mut i = 0;
+                while i < waiting.jobs.len() {
+                    if leave(level, &waiting.jobs[i]) {
+                        let p = waiting.jobs.remove(i).expect("index checked");
                         self.rows -= p.rows_left();
                         gone.push((level, p));
                     } else {
-                        waiting.jobs.push_back(p);
+                        i += 1;
                     }
                 }
             }
@@ -189,7 +190,7 @@ impl Queue {
         self.levels
             .iter()
             .find_map(|l| l.front())
-            .map_or(0, |w| w.rows)
+            .map_or(0, Waiting::rows)
     }
 
     /// When the longest-waiting row arrived.
@@ -239,7 +240,6 @@ impl Queue {
                     let take = turn.min(front.rows_left());
                     parts.push((front.job.clone(), front.next_row..front.next_row + take));
                     front.next_row += take;
-                    waiting.rows -= take;
                     turn -= take;
                     left -= take;
                     if front.rows_left() == 0 {
