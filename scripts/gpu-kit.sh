@@ -67,6 +67,7 @@ tar -C models --exclude='model.pt' --exclude='model.pt.stamp' --exclude='*.pt.tm
 rm -f "$KIT"/models/*/*/model.pt.stamp
 cp -r tests/fixtures/photos/. "$KIT/photos/"
 cp scripts/gpu-check.sh "$KIT/gpu-check.sh"
+cp scripts/fairness.py "$KIT/fairness.py"
 cat > "$KIT/BUILD" <<EOF
 visiongate $(git describe --always --dirty 2>/dev/null || echo unknown), torch $KIT_TORCH, tch $KIT_TCH, built $(date -u +%Y-%m-%dT%H:%MZ)
 EOF

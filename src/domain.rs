@@ -15,12 +15,12 @@ impl ModelName {
 
     /// Whether `name`, as a client sent it, can name a model: one directory of the
     /// repository (no path separators, not `.` or `..`, no control characters, at most
-    /// 255 bytes). Returns why not.
+    /// 255 characters). Returns why not.
     pub fn check(name: &str) -> Result<(), String> {
         let why = if name.is_empty() {
             "it is empty"
-        } else if name.len() > 255 {
-            "it is longer than 255 bytes"
+        } else if name.chars().count() > 255 {
+            "it is longer than 255 characters"
         } else if name == "." || name == ".." {
             "it names no model directory"
         } else if name.contains(['/', '\\']) {
@@ -120,4 +120,23 @@ pub struct RequestOptions {
     pub priority: u64,
     /// Queue timeout; honoured only where the model allows overriding, and only shorter.
     pub timeout: Option<std::time::Duration>,
+}
+
+/// A `model_warmup` sample of a classifier (Triton's): before its instance serves, `count`
+/// runs of a batch of `batch_size` rows filled as `data` says.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WarmupSample {
+    pub name: String,
+    pub batch_size: usize,
+    pub count: usize,
+    pub data: WarmupData,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum WarmupData {
+    Zero,
+    Random,
+    /// One row (FP32, the model's input shape) from the sample's `input_data_file`,
+    /// repeated for each row of the batch.
+    Row(std::sync::Arc<Vec<f32>>),
 }

@@ -18,6 +18,8 @@ pub enum ErrorKind {
     /// The request body stopped arriving.
     RequestTimeout,
     NotFound,
+    /// A known path asked with a method it does not serve.
+    MethodNotAllowed,
     Forbidden,
     NotReady,
     Overloaded,
@@ -41,12 +43,13 @@ const CLIENT_CLOSED_REQUEST: u16 = 499;
 
 impl ErrorKind {
     /// Every kind, for tables and tests.
-    pub const ALL: [ErrorKind; 13] = [
+    pub const ALL: [ErrorKind; 14] = [
         ErrorKind::InvalidInput,
         ErrorKind::UnsupportedMediaType,
         ErrorKind::PayloadTooLarge,
         ErrorKind::RequestTimeout,
         ErrorKind::NotFound,
+        ErrorKind::MethodNotAllowed,
         ErrorKind::Forbidden,
         ErrorKind::NotReady,
         ErrorKind::Overloaded,
@@ -65,6 +68,7 @@ impl ErrorKind {
             ErrorKind::PayloadTooLarge => "payload_too_large",
             ErrorKind::RequestTimeout => "request_timeout",
             ErrorKind::NotFound => "not_found",
+            ErrorKind::MethodNotAllowed => "method_not_allowed",
             ErrorKind::Forbidden => "forbidden",
             ErrorKind::NotReady => "not_ready",
             ErrorKind::Overloaded => "overloaded",
@@ -83,6 +87,7 @@ impl ErrorKind {
             }
             ErrorKind::PayloadTooLarge => tonic::Code::ResourceExhausted,
             ErrorKind::NotFound => tonic::Code::NotFound,
+            ErrorKind::MethodNotAllowed => tonic::Code::Unimplemented,
             ErrorKind::Forbidden => tonic::Code::PermissionDenied,
             ErrorKind::NotReady | ErrorKind::Overloaded | ErrorKind::ShuttingDown => {
                 tonic::Code::Unavailable
@@ -102,6 +107,7 @@ impl ErrorKind {
             ErrorKind::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
+            ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::Forbidden => StatusCode::FORBIDDEN,
             ErrorKind::NotReady | ErrorKind::Overloaded | ErrorKind::ShuttingDown => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -120,7 +126,7 @@ pub struct ErrorBody {
     /// What went wrong and where (KServe v2 clients read this field).
     pub error: String,
     /// Stable snake_case kind: `invalid_input`, `unsupported_media_type`,
-    /// `payload_too_large`, `request_timeout`, `not_found`, `forbidden`, `not_ready`, `overloaded`,
+    /// `payload_too_large`, `request_timeout`, `not_found`, `method_not_allowed`, `forbidden`, `not_ready`, `overloaded`,
     /// `shutting_down`, `cancelled`, `deadline_exceeded`, `model_failed`, `internal`.
     pub code: String,
 }

@@ -44,22 +44,43 @@ pub enum EngineChoice {
     },
 }
 
-/// A running gateway: its bound address and the handles to stop it.
+/// A running gateway: its bound addresses (`None`: that listener is off, Triton's
+/// `--allow-*`) and the handles to stop it.
 pub struct Gateway {
-    pub http_addr: SocketAddr,
-    pub grpc_addr: SocketAddr,
-    pub metrics_addr: SocketAddr,
+    pub http_addr: Option<SocketAddr>,
+    pub grpc_addr: Option<SocketAddr>,
+    pub metrics_addr: Option<SocketAddr>,
     pub state: web::Data<AppState>,
-    server: actix_web::dev::ServerHandle,
-    metrics_server: actix_web::dev::ServerHandle,
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    http: Option<Listener>,
+    metrics: Option<Listener>,
     grpc_stop: tokio_util::sync::CancellationToken,
     /// Ends every gRPC connection at once.
     grpc_kill: tokio_util::sync::CancellationToken,
     poll_stop: tokio_util::sync::CancellationToken,
     poll_task: Option<tokio::task::JoinHandle<()>>,
-    grpc_task: tokio::task::JoinHandle<()>,
+    grpc_task: Option<tokio::task::JoinHandle<()>>,
     exit_timeout: Duration,
+}
+
+/// An actix-web server running in a task.
+struct Listener {
+    handle: actix_web::dev::ServerHandle,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Listener {
+    fn start(server: actix_web::dev::Server) -> Listener {
+        Listener {
+            handle: server.handle(),
+            task: tokio::spawn(server),
+        }
+    }
+
+    /// Stops taking connections and lets the open ones finish, within `LISTENER_CLOSE`.
+    async fn stop(self) {
+        self.handle.stop(true).await;
+        let _ = self.task.await;
+    }
 }
 
 /// How long the listeners get to close once the requests under way are answered (or the
@@ -71,31 +92,76 @@ impl Gateway {
     /// models finish loading in the background (see [`Gateway::wait_ready`]).
     pub async fn start(settings: Settings, engine: EngineChoice) -> anyhow::Result<Gateway> {
         let cfg = &settings.config;
-        let scan = repository::scan(&cfg.model_repository)
-            .with_context(|| format!("reading {}", cfg.model_repository.display()))?;
+        let scan = repository::scan(&settings.control.repositories)
+            .context("reading the model repository")?;
         let intra = cfg.intra_op_threads;
         let (factory, gpu_count): (EngineFactory, usize) = match engine {
             EngineChoice::Torch => {
+                let torch_gpus = engine::cuda_device_count();
+                // The driver's view (NVML), beside libtorch's: a host with NVIDIA GPUs
+                // where CUDA cannot start fails its KIND_GPU models with the reason.
+                let host_gpus = telemetry::Nvml::open().map_or(0, |nvml| {
+                    let (driver, cuda) = nvml.versions();
+                    let runtime = engine::cuda_host::runtime_version()
+                        .map_or("none".to_string(), engine::cuda_host::version_text);
+                    let gpus = nvml.count() as usize;
+                    tracing::info!(
+                        driver,
+                        driver_cuda = cuda,
+                        gpus,
+                        libtorch_cuda_runtime = runtime,
+                        libtorch_gpus = torch_gpus,
+                        "NVIDIA driver"
+                    );
+                    gpus
+                });
+                let problem = (host_gpus > 0 && torch_gpus == 0)
+                    .then(|| {
+                        let driver = engine::cuda_host::driver_state();
+                        engine::cuda_host::cuda_problem(
+                            engine::cuda_host::runtime_version(),
+                            &driver,
+                        )
+                    })
+                    .flatten();
+                if let Some(why) = &problem {
+                    tracing::error!("CUDA cannot start; KIND_GPU models will fail to load: {why}");
+                }
+                let broken = problem.clone();
                 let factory: EngineFactory = Arc::new(move |path, id| {
+                    if let (Some(why), Some(_)) = (&broken, id.gpu) {
+                        return Err(engine::EngineError::Load {
+                            path: format!("instance {id}"),
+                            message: format!("CUDA cannot start on this host: {why}"),
+                        });
+                    }
                     // Per thread: libtorch's intra-op pool size is a thread-local setting.
                     // GPU instances too, so the little CPU work they do (the copy into the
                     // staging buffer) never spreads over the cores decoding needs.
                     tch::set_num_threads(intra as i32);
                     Ok(Box::new(TorchEngine::load(path, id.gpu)?) as Box<dyn Engine>)
                 });
-                let gpus = engine::cuda_device_count();
                 if cfg.tf32 != config::Tf32::Default {
                     engine::cuda::set_allow_tf32(cfg.tf32 == config::Tf32::On)
                         .map_err(|e| anyhow::anyhow!("--tf32: {e}"))?;
                 }
-                if gpus > 0 {
+                if torch_gpus > 0 {
                     let (cudnn, cublas) = engine::cuda::allow_tf32();
                     tracing::info!(
-                        gpus,
+                        gpus = torch_gpus,
                         "TF32: cuDNN convolutions {cudnn}, cuBLAS matmuls {cublas}"
                     );
                 }
-                (factory, gpus)
+                // With CUDA broken, KIND_GPU instances are planned on the host's GPUs, so
+                // that they fail with the reason rather than run on the CPU.
+                (
+                    factory,
+                    if problem.is_some() {
+                        host_gpus
+                    } else {
+                        torch_gpus
+                    },
+                )
             }
             EngineChoice::Fake {
                 num_classes,
@@ -108,6 +174,20 @@ impl Gateway {
                 (factory, 0)
             }
         };
+        let gpu_instances = scan.models.iter().any(|m| match &m.kind {
+            repository::ModelKind::Classifier(spec) => {
+                state::plan_instances(&spec.instance_groups, gpu_count)
+                    .0
+                    .iter()
+                    .any(|i| i.gpu.is_some())
+            }
+            _ => false,
+        });
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let decode_threads = settings
+            .decode_threads
+            .unwrap_or_else(|| config::decode_threads(cores, gpu_instances));
+        tracing::info!(decode_threads, cores, gpu_instances, "decode threads");
         let pace = pace::BodyPace {
             timeout: Duration::from_secs(cfg.body_timeout_secs),
             min_rate: cfg.body_min_rate,
@@ -116,10 +196,10 @@ impl Gateway {
             scan,
             BuildOptions {
                 factory,
-                metrics: Arc::new(telemetry::Metrics::new()),
+                metrics: Arc::new(telemetry::Metrics::with_config(&settings.metrics)),
                 gpu_count,
                 default_queue_size: cfg.max_queue_size,
-                cache: Arc::new(scheduler::ResponseCache::new(cfg.cache_size)),
+                cache: Arc::new(scheduler::ResponseCache::new(settings.cache_size)),
                 max_image_pixels: cfg.max_image_pixels,
                 dct_override: cfg.dct_scaling_min_side,
             },
@@ -130,8 +210,9 @@ impl Gateway {
                 max_body_bytes: cfg.max_body_bytes,
                 pace,
             },
-            settings.decode_threads,
+            decode_threads,
             settings.decode_memory,
+            settings.server.clone(),
         ));
         let poll_stop = tokio_util::sync::CancellationToken::new();
         let poll_task = (settings.control.mode == state::ControlMode::Poll).then(|| {
@@ -139,102 +220,143 @@ impl Gateway {
             tokio::spawn(async move { state.registry.poll_loop(stop).await })
         });
 
-        let app_state = state.clone();
-        let server = HttpServer::new(move || {
-            App::new().configure(|c| http::configure(c, app_state.clone()))
-        })
-        .on_connect(http::on_connect)
-        .workers(settings.http_workers)
-        .disable_signals()
-        .shutdown_timeout(LISTENER_CLOSE.as_secs())
-        .bind((cfg.host, cfg.http_port))
-        .with_context(|| format!("binding HTTP on {}:{}", cfg.host, cfg.http_port))?;
-        let http_addr = *server
-            .addrs()
-            .first()
-            .context("HTTP server has no address")?;
-        let server = server.run();
-        let handle = server.handle();
-        let task = tokio::spawn(server);
-        tracing::info!(%http_addr, "HTTP listening");
+        let (http_addr, http) = if cfg.allow_http {
+            let app_state = state.clone();
+            let server = HttpServer::new(move || {
+                App::new()
+                    .wrap(actix_web::middleware::from_fn(http::restrict))
+                    .configure(|c| http::configure(c, app_state.clone()))
+            })
+            .on_connect(http::on_connect)
+            .workers(settings.http_workers)
+            .disable_signals()
+            .shutdown_timeout(LISTENER_CLOSE.as_secs())
+            .bind((cfg.host, cfg.http_port))
+            .with_context(|| format!("binding HTTP on {}:{}", cfg.host, cfg.http_port))?;
+            let addr = *server
+                .addrs()
+                .first()
+                .context("HTTP server has no address")?;
+            tracing::info!(http_addr = %addr, "HTTP listening");
+            (Some(addr), Some(Listener::start(server.run())))
+        } else {
+            tracing::info!("HTTP off (--allow-http=false)");
+            (None, None)
+        };
 
-        let grpc_listener = tokio::net::TcpListener::bind((cfg.host, cfg.grpc_port))
-            .await
-            .with_context(|| format!("binding gRPC on {}:{}", cfg.host, cfg.grpc_port))?;
-        let grpc_addr = grpc_listener.local_addr()?;
         let grpc_stop = tokio_util::sync::CancellationToken::new();
         let grpc_kill = tokio_util::sync::CancellationToken::new();
-        let grpc_task = tokio::spawn(grpc::serve_logged(
-            grpc_listener,
-            grpc::InferenceService::new(state.clone().into_inner()),
-            grpc::GrpcSettings {
-                max_message_bytes: cfg.grpc_max_message_bytes,
-                max_concurrent_streams: cfg.grpc_max_concurrent_streams,
-                keepalive_time: Duration::from_millis(cfg.grpc_keepalive_time),
-                keepalive_timeout: Duration::from_millis(cfg.grpc_keepalive_timeout),
-                connections: grpc::ConnLimits {
-                    max_connections: cfg.grpc_max_connections,
-                    handshake: Duration::from_secs(cfg.grpc_handshake_timeout_secs),
-                    idle: Duration::from_secs(cfg.grpc_idle_timeout_secs),
-                    tcp_keepalive: Duration::from_millis(cfg.grpc_keepalive_time),
+        let (grpc_addr, grpc_task) = if cfg.allow_grpc {
+            let listener = tokio::net::TcpListener::bind((cfg.host, cfg.grpc_port))
+                .await
+                .with_context(|| format!("binding gRPC on {}:{}", cfg.host, cfg.grpc_port))?;
+            let addr = listener.local_addr()?;
+            let task = tokio::spawn(grpc::serve_logged(
+                listener,
+                grpc::InferenceService::new(state.clone().into_inner()),
+                grpc::GrpcSettings {
+                    max_message_bytes: cfg.grpc_max_message_bytes,
+                    max_concurrent_streams: cfg.grpc_max_concurrent_streams,
+                    keepalive_time: Duration::from_millis(cfg.grpc_keepalive_time),
+                    keepalive_timeout: Duration::from_millis(cfg.grpc_keepalive_timeout),
+                    connections: grpc::ConnLimits {
+                        max_connections: cfg.grpc_max_connections,
+                        handshake: Duration::from_secs(cfg.grpc_handshake_timeout_secs),
+                        idle: Duration::from_secs(cfg.grpc_idle_timeout_secs),
+                        tcp_keepalive: Duration::from_millis(cfg.grpc_keepalive_time),
+                    },
+                    pace,
                 },
-                pace,
-            },
-            grpc_stop.clone().cancelled_owned(),
-            grpc_kill.clone(),
-        ));
-        tracing::info!(%grpc_addr, "gRPC listening");
+                grpc_stop.clone().cancelled_owned(),
+                grpc_kill.clone(),
+            ));
+            tracing::info!(grpc_addr = %addr, "gRPC listening");
+            (Some(addr), Some(task))
+        } else {
+            tracing::info!("gRPC off (--allow-grpc=false)");
+            (None, None)
+        };
 
-        let metrics = state.metrics.clone();
-        let metrics_server = HttpServer::new(move || {
-            let metrics = metrics.clone();
-            App::new().route(
-                "/metrics",
-                web::get().to(move || {
-                    let body = metrics.render();
-                    async move {
-                        actix_web::HttpResponse::Ok()
-                            .content_type("text/plain; version=0.0.4; charset=utf-8")
-                            .body(body)
-                    }
-                }),
-            )
-        })
-        .workers(1)
-        .disable_signals()
-        .bind((cfg.host, cfg.metrics_port))
-        .with_context(|| format!("binding metrics on {}:{}", cfg.host, cfg.metrics_port))?;
-        let metrics_addr = *metrics_server
-            .addrs()
-            .first()
-            .context("metrics server has no address")?;
-        let metrics_server = metrics_server.run();
-        let metrics_handle = metrics_server.handle();
-        tokio::spawn(metrics_server);
-        tracing::info!(%metrics_addr, "metrics listening");
+        let (metrics_addr, metrics) = if cfg.allow_metrics {
+            let metrics = state.metrics.clone();
+            let server = HttpServer::new(move || {
+                let metrics = metrics.clone();
+                App::new().route(
+                    "/metrics",
+                    web::get().to(move || {
+                        let body = metrics.render();
+                        async move {
+                            actix_web::HttpResponse::Ok()
+                                .content_type("text/plain; version=0.0.4; charset=utf-8")
+                                .body(body)
+                        }
+                    }),
+                )
+            })
+            .workers(1)
+            .disable_signals()
+            .shutdown_timeout(LISTENER_CLOSE.as_secs())
+            .bind((cfg.host, cfg.metrics_port))
+            .with_context(|| format!("binding metrics on {}:{}", cfg.host, cfg.metrics_port))?;
+            let addr = *server
+                .addrs()
+                .first()
+                .context("metrics server has no address")?;
+            tracing::info!(metrics_addr = %addr, "metrics listening");
+            let gpus = if cfg.allow_gpu_metrics {
+                telemetry::Nvml::open()
+                    .filter(|n| n.count() > 0)
+                    .map(|n| Box::new(n) as Box<dyn telemetry::GpuProbe>)
+            } else {
+                None
+            };
+            telemetry::spawn_poller(
+                state.metrics.clone(),
+                cfg.allow_cpu_metrics,
+                gpus,
+                Duration::from_millis(cfg.metrics_interval_ms),
+                poll_stop.clone(),
+            );
+            (Some(addr), Some(Listener::start(server.run())))
+        } else {
+            tracing::info!("metrics off (--allow-metrics=false)");
+            (None, None)
+        };
         Ok(Gateway {
             http_addr,
             grpc_addr,
+            metrics_addr,
+            state,
+            http,
+            metrics,
             grpc_stop,
             grpc_kill,
             grpc_task,
             poll_stop,
             poll_task,
-            metrics_addr,
-            state,
-            server: handle,
-            metrics_server: metrics_handle,
-            task,
             exit_timeout: settings.exit_timeout,
         })
     }
 
-    /// Waits until every model has loaded (or failed); returns the failures.
+    /// Waits until every model has loaded (or failed); returns the failed loads.
     pub async fn wait_ready(&self) -> Vec<String> {
         let mut failures = Vec::new();
         for handle in self.state.registry.handles() {
             if let ModelState::Failed(e) = handle.wait_loaded().await {
                 failures.push(format!("{}: {e}", handle.name()));
+            }
+        }
+        failures
+    }
+
+    /// `wait_ready`'s failures and every other model of the repository that is not
+    /// served: its config did not pass, an ensemble's step is missing (what
+    /// `--exit-on-error` exits for).
+    pub async fn startup_failures(&self) -> Vec<String> {
+        let mut failures = self.wait_ready().await;
+        for (name, entry) in self.state.registry.models().entries() {
+            if let (true, Some(why)) = (entry.served.is_empty(), &entry.unavailable) {
+                failures.push(format!("{name}: {why}"));
             }
         }
         failures
@@ -258,12 +380,10 @@ impl Gateway {
         }
         self.state.drain.close();
         self.grpc_stop.cancel();
-        let http = async {
-            self.server.stop(true).await;
-            let _ = self.task.await;
-        };
         let grpc = async {
-            let mut task = self.grpc_task;
+            let Some(mut task) = self.grpc_task else {
+                return;
+            };
             if tokio::time::timeout(LISTENER_CLOSE, &mut task)
                 .await
                 .is_err()
@@ -273,7 +393,12 @@ impl Gateway {
                 let _ = tokio::time::timeout(LISTENER_CLOSE, task).await;
             }
         };
-        tokio::join!(http, grpc, self.metrics_server.stop(true));
+        let stop = |listener: Option<Listener>| async move {
+            if let Some(listener) = listener {
+                listener.stop().await;
+            }
+        };
+        tokio::join!(stop(self.http), grpc, stop(self.metrics));
         if let Some(poll) = self.poll_task {
             // A poll under way finishes its loads first.
             let _ = poll.await;
@@ -287,9 +412,20 @@ pub async fn run(
     settings: Settings,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
+    let exit_on_error = settings.config.exit_on_error;
     let gateway = Gateway::start(settings, EngineChoice::Torch).await?;
     tokio::select! {
-        failures = gateway.wait_ready() => failures.iter().for_each(|f| tracing::error!("{f}")),
+        failures = gateway.startup_failures() => {
+            failures.iter().for_each(|f| tracing::error!("{f}"));
+            if exit_on_error && !failures.is_empty() {
+                gateway.stop().await;
+                anyhow::bail!(
+                    "{} model(s) failed to load at start-up (--exit-on-error=false serves \
+                     the others)",
+                    failures.len()
+                );
+            }
+        }
         () = shutdown.cancelled() => {}
     }
     shutdown.cancelled().await;

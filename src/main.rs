@@ -3,7 +3,7 @@ use clap::Parser;
 fn main() -> anyhow::Result<()> {
     limit_malloc_arenas();
     let config = visiongate::config::Config::parse();
-    visiongate::telemetry::init();
+    visiongate::telemetry::init(config.log_levels());
     let settings = config.validate().map_err(anyhow::Error::msg)?;
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()

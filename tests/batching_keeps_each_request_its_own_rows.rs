@@ -10,12 +10,12 @@ use visiongate::config::Config;
 #[tokio::test(flavor = "multi_thread")]
 async fn thirty_two_concurrent_requests_share_batches_and_keep_their_own_answers() {
     let mut config = Config::for_tests();
-    config.model_repository = temp_repository("share", |m, t| {
+    config.model_repository = vec![temp_repository("share", |m, t| {
         with_preferred(m, t, "[ 8 ]").replace(
             "max_queue_delay_microseconds: 2000",
             "max_queue_delay_microseconds: 20000",
         )
-    });
+    })];
     let gw = TestGateway::start_fake(config, Duration::from_millis(30)).await;
     // (the fake's latency also applies to warm-up, so its batch size is pinned)
     let reds: Vec<u8> = (0..32u8).map(|i| i * 7 + 3).collect();
@@ -48,7 +48,9 @@ async fn thirty_two_concurrent_requests_share_batches_and_keep_their_own_answers
 #[tokio::test(flavor = "multi_thread")]
 async fn a_large_request_is_split_over_both_instances_in_upload_order() {
     let mut config = Config::for_tests();
-    config.model_repository = temp_repository("split", |m, t| with_preferred(m, t, "[ 4 ]"));
+    config.model_repository = vec![temp_repository("split", |m, t| {
+        with_preferred(m, t, "[ 4 ]")
+    })];
     let gw = TestGateway::start_fake(config, Duration::from_millis(10)).await;
     let files: Vec<_> = (0..100u8)
         .map(|i| (format!("{i}.png"), solid_png(i)))
@@ -78,7 +80,9 @@ async fn a_large_request_is_split_over_both_instances_in_upload_order() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_real_model_gives_the_same_answer_alone_and_inside_a_batch() {
     let mut config = Config::for_tests();
-    config.model_repository = temp_repository("same", |m, t| with_preferred(m, t, "[ 8 ]"));
+    config.model_repository = vec![temp_repository("same", |m, t| {
+        with_preferred(m, t, "[ 8 ]")
+    })];
     let gw = TestGateway::start(config).await;
     let files: Vec<_> = photos("small").into_iter().take(8).collect();
     let batched = gw.predict("", &files).await;

@@ -13,12 +13,12 @@ async fn disconnecting_clients_do_not_fail_the_requests_they_wait_or_run_with() 
     let mut config = Config::for_tests();
     // Batches of up to 4 rows, cut after 300 ms at the latest, so requests sent together
     // share one.
-    config.model_repository = temp_repository("disconnect", |m, t| {
+    config.model_repository = vec![temp_repository("disconnect", |m, t| {
         with_preferred(m, t, "[ 4 ]").replace(
             "max_queue_delay_microseconds: 2000",
             "max_queue_delay_microseconds: 300000",
         )
-    });
+    })];
     let gw = Arc::new(TestGateway::start_fake(config, Duration::from_millis(800)).await);
 
     // 1. Queued: both instances run 4-row batches while a, b and c wait; b goes away.

@@ -59,7 +59,9 @@ async fn engine_faults_fail_only_their_batch_and_instances_restart() {
     });
     let mut config = Config::for_tests();
     // One row per batch: each file's fate is its own.
-    config.model_repository = temp_repository("faults", |m, t| with_preferred(m, t, "[ 1 ]"));
+    config.model_repository = vec![temp_repository("faults", |m, t| {
+        with_preferred(m, t, "[ 1 ]")
+    })];
     let gw = TestGateway::start_with(
         config,
         EngineChoice::Fake {
@@ -93,7 +95,7 @@ async fn engine_faults_fail_only_their_batch_and_instances_restart() {
     );
 
     // KServe: the request fails, naming the model.
-    let grpc_addr = gw.gateway.as_ref().unwrap().grpc_addr;
+    let grpc_addr = gw.gateway.as_ref().unwrap().grpc_addr.expect("listening");
     let mut grpc = GrpcInferenceServiceClient::connect(format!("http://{grpc_addr}"))
         .await
         .unwrap();

@@ -231,13 +231,13 @@ async fn every_outcome_is_answered_and_counted_once_over_http_and_grpc() {
         .init();
 
     let mut config = Config::for_tests();
-    config.model_repository = temp_repository("outcomes", |m, t| {
+    config.model_repository = vec![temp_repository("outcomes", |m, t| {
         with_batching(
             m,
             &with_preferred(m, t, "[ 1 ]"),
             "default_queue_policy { allow_timeout_override: true max_queue_size: 1 }",
         )
-    });
+    })];
     config.max_queue_size = 1;
     let gw = TestGateway::start_with(
         config,
@@ -251,7 +251,7 @@ async fn every_outcome_is_answered_and_counted_once_over_http_and_grpc() {
         },
     )
     .await;
-    let grpc_addr = gw.gateway.as_ref().unwrap().grpc_addr;
+    let grpc_addr = gw.gateway.as_ref().unwrap().grpc_addr.expect("listening");
     let grpc = GrpcInferenceServiceClient::connect(format!("http://{grpc_addr}"))
         .await
         .expect("gRPC connects");

@@ -9,7 +9,9 @@ use visiongate::config::Config;
 #[tokio::test(flavor = "multi_thread")]
 async fn full_queue_answers_503_with_retry_after_at_once() {
     let mut config = Config::for_tests();
-    config.model_repository = temp_repository("full", |m, t| with_preferred(m, t, "[ 1 ]"));
+    config.model_repository = vec![temp_repository("full", |m, t| {
+        with_preferred(m, t, "[ 1 ]")
+    })];
     config.max_queue_size = 1;
     let gw =
         std::sync::Arc::new(TestGateway::start_fake(config, Duration::from_millis(1500)).await);

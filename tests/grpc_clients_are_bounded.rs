@@ -159,7 +159,7 @@ fn resident_bytes() -> u64 {
 #[tokio::test(flavor = "multi_thread")]
 async fn grpc_connections_streams_and_messages_are_bounded() {
     let gw = TestGateway::start_fake(config(), Duration::from_millis(5)).await;
-    let addr = gw.gateway.as_ref().unwrap().grpc_addr;
+    let addr = gw.gateway.as_ref().unwrap().grpc_addr.expect("listening");
 
     // Silent connections, and one that sends only the preface: closed after the handshake
     // timeout (1 s), not before.
@@ -271,7 +271,7 @@ async fn grpc_connections_streams_and_messages_are_bounded() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_call_still_sending_its_message_when_the_stop_begins_is_answered() {
     let mut gw = TestGateway::start_fake(config(), Duration::from_millis(5)).await;
-    let addr = gw.gateway.as_ref().unwrap().grpc_addr;
+    let addr = gw.gateway.as_ref().unwrap().grpc_addr.expect("listening");
     let message = prost::Message::encode_to_vec(&common::ensemble_request(common::solid_png(200)));
     let mut framed = vec![0u8];
     framed.extend_from_slice(&(message.len() as u32).to_be_bytes());
@@ -306,7 +306,7 @@ async fn a_call_still_sending_its_message_when_the_stop_begins_is_answered() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_http_port_does_not_speak_http2() {
     let gw = TestGateway::start_fake(config(), Duration::from_millis(5)).await;
-    let addr = gw.gateway.as_ref().unwrap().http_addr;
+    let addr = gw.gateway.as_ref().unwrap().http_addr.expect("listening");
     let tcp = TcpStream::connect(addr).await.unwrap();
     let answered = async {
         let (client, connection) = h2::client::handshake(tcp).await?;

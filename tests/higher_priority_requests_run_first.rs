@@ -12,13 +12,13 @@ use visiongate::config::Config;
 #[tokio::test(flavor = "multi_thread")]
 async fn a_later_high_priority_request_overtakes_a_queued_default_one() {
     let mut config = Config::for_tests();
-    config.model_repository = temp_repository("priority", |m, t| {
+    config.model_repository = vec![temp_repository("priority", |m, t| {
         with_batching(
             m,
             &with_preferred(m, t, "[ 1 ]"),
             "priority_levels: 2\ndefault_priority_level: 2",
         )
-    });
+    })];
     let gw = Arc::new(TestGateway::start_fake(config, Duration::from_millis(600)).await);
     let t0 = Instant::now();
     let timed = |query: &'static str, red: u8| {

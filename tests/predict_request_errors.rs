@@ -65,6 +65,12 @@ async fn request_level_errors_answer_json_with_the_right_status() {
 
     let r = gw.predict("?top_k=0", std::slice::from_ref(&chelsea)).await;
     assert_error(&r, 400, "invalid_input", "top_k");
+    // More classes than the model has: all of them (as Triton's classification).
+    let r = gw
+        .predict("?top_k=5000", std::slice::from_ref(&chelsea))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    assert_eq!(r.results()[0]["top_k"].as_array().unwrap().len(), 1000);
     let r = gw
         .predict("?top_k=many", std::slice::from_ref(&chelsea))
         .await;

@@ -12,13 +12,13 @@ use visiongate::config::Config;
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_past_its_queue_timeout_gets_504_and_the_others_run() {
     let mut config = Config::for_tests();
-    config.model_repository = temp_repository("timeout", |m, t| {
+    config.model_repository = vec![temp_repository("timeout", |m, t| {
         with_batching(
             m,
             &with_preferred(m, t, "[ 1 ]"),
             "default_queue_policy { allow_timeout_override: true }",
         )
-    });
+    })];
     let gw = Arc::new(TestGateway::start_fake(config, Duration::from_millis(1200)).await);
     // Two requests keep both instances busy for 1.2 s.
     let busy = [spawn_predict(&gw, "", 1), spawn_predict(&gw, "", 2)];
@@ -63,14 +63,14 @@ async fn a_request_past_its_queue_timeout_gets_504_and_the_others_run() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_cannot_lengthen_the_default_timeout() {
     let mut config = Config::for_tests();
-    config.model_repository = temp_repository("timeout-default", |m, t| {
+    config.model_repository = vec![temp_repository("timeout-default", |m, t| {
         with_batching(
             m,
             &with_preferred(m, t, "[ 1 ]"),
             "default_queue_policy { default_timeout_microseconds: 150000 \
              allow_timeout_override: true }",
         )
-    });
+    })];
     let gw = Arc::new(TestGateway::start_fake(config, Duration::from_millis(1000)).await);
     let busy = [spawn_predict(&gw, "", 1), spawn_predict(&gw, "", 2)];
     tokio::time::sleep(Duration::from_millis(200)).await;

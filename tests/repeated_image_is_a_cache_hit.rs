@@ -10,13 +10,13 @@ use visiongate::config::Config;
 #[tokio::test(flavor = "multi_thread")]
 async fn a_repeated_photo_is_answered_from_the_cache() {
     let mut config = Config::for_tests();
-    config.model_repository = temp_repository("cache", |m, t| {
+    config.model_repository = vec![temp_repository("cache", |m, t| {
         if m == "classifier" {
             format!("{t}\nresponse_cache {{ enable: true }}\n")
         } else {
             t.to_string()
         }
-    });
+    })];
     let gw = TestGateway::start_fake(config, Duration::from_millis(20)).await;
     let p1 = photo("small", "Aqua.jpg");
     let p2 = photo("small", "Autumn.jpg");

@@ -18,7 +18,7 @@ const KEY: &str = "s3cret";
 
 fn explicit(repo: &Path, load: &[&str]) -> Config {
     let mut c = Config::for_tests();
-    c.model_repository = repo.to_path_buf();
+    c.model_repository = vec![repo.to_path_buf()];
     c.model_control_mode = ControlMode::Explicit;
     c.load_models = load.iter().map(|s| s.to_string()).collect();
     c.repository_control_key = Some(format!("{KEY_HEADER}={KEY}"));
@@ -324,7 +324,7 @@ fn two_version_repository(tag: &str) -> std::path::PathBuf {
 async fn version_policy_serves_every_selected_version() {
     let repo = two_version_repository("versions");
     let mut c = Config::for_tests();
-    c.model_repository = repo;
+    c.model_repository = vec![repo];
     let gw = TestGateway::start_fake(c, Duration::from_millis(1)).await;
     let (status, meta) = gw.get("/v2/models/classifier").await;
     assert_eq!(status, 200, "{meta}");
@@ -480,7 +480,7 @@ async fn unloaded_model_finishes_the_requests_it_admitted() {
 async fn poll_mode_follows_the_repository() {
     let repo = temp_repository("poll", |_, t| t.to_string());
     let mut c = Config::for_tests();
-    c.model_repository = repo.clone();
+    c.model_repository = vec![repo.clone()];
     c.model_control_mode = ControlMode::Poll;
     c.repository_poll_secs = 1;
     let gw = TestGateway::start_fake(c, Duration::from_millis(1)).await;
@@ -636,7 +636,7 @@ async fn control_stays_inside_the_repository_and_shows_no_paths() {
     }
     let (status, body) = gw.get("/v2/models/..%2Fclassifier").await;
     assert_eq!(status, 400, "{body}");
-    let grpc_addr = gw.gateway.as_ref().unwrap().grpc_addr;
+    let grpc_addr = gw.gateway.as_ref().unwrap().grpc_addr.expect("listening");
     let mut grpc =
         visiongate::grpc::pb::grpc_inference_service_client::GrpcInferenceServiceClient::connect(
             format!("http://{grpc_addr}"),

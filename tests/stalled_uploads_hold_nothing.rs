@@ -49,7 +49,7 @@ async fn stalled_uploads_hold_no_queue_place_and_get_408() {
     config.body_timeout_secs = BODY_TIMEOUT_SECS;
     let max_body = config.max_body_bytes;
     let gw = TestGateway::start_fake(config, Duration::from_millis(5)).await;
-    let addr = gw.gateway.as_ref().unwrap().http_addr;
+    let addr = gw.gateway.as_ref().unwrap().http_addr.expect("listening");
 
     let started = Instant::now();
     let mut stalled = Vec::new();
@@ -153,7 +153,7 @@ async fn answer_of(conn: &mut TcpStream, within: Duration) -> Option<(u16, Strin
 #[tokio::test(flavor = "multi_thread")]
 async fn an_endless_preamble_or_part_header_is_refused_at_its_limit() {
     let gw = TestGateway::start_fake(Config::for_tests(), Duration::from_millis(5)).await;
-    let addr = gw.gateway.as_ref().unwrap().http_addr;
+    let addr = gw.gateway.as_ref().unwrap().http_addr.expect("listening");
     let head = "POST /predict HTTP/1.1\r\nHost: test\r\n\
                 Content-Type: multipart/form-data; boundary=XyZ\r\nContent-Length: 67108864\r\n\r\n";
     let endless_header = format!(

@@ -40,7 +40,17 @@ async fn v2_metadata_and_readiness_describe_the_repository() {
             "platform": "pytorch_libtorch",
             "inputs": [{"name": "input__0", "datatype": "FP32", "shape": [-1, 3, 224, 224]}],
             "outputs": [{"name": "output__0", "datatype": "FP32", "shape": [-1, 1000]}],
+            // Where the instances run, and why not where the config puts them.
+            "instances": [{"name": "cpu/0", "device": "fake"}, {"name": "cpu/1", "device": "fake"}],
+            "placement_fallback": "KIND_GPU asks for GPUs [0, 1] but 0 are available: running 2 instance(s) on the CPU",
         })
+    );
+    let metrics = gw.metrics_text().await;
+    assert!(
+        metrics.contains(
+            "visiongate_instance_device{device=\"fake\",fallback=\"KIND_GPU asks for GPUs [0, 1] but 0 are available: running 2 instance(s) on the CPU\",instance=\"cpu/1\",model=\"classifier\",version=\"1\"} 1"
+        ),
+        "{metrics}"
     );
     let (status, ensemble) = get("/v2/models/ensemble_model/versions/1").await;
     assert_eq!(status, 200, "{ensemble}");
@@ -118,4 +128,66 @@ async fn v2_config_returns_the_model_config_as_on_disk() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 404);
     gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn listeners_turned_off_are_not_opened_wrong_methods_get_405_and_readiness_can_be_lax() {
+    // --allow-grpc=false --allow-metrics=false: HTTP alone.
+    let mut config = Config::for_tests();
+    config.allow_grpc = false;
+    config.allow_metrics = false;
+    let gw = TestGateway::start_fake(config, Duration::ZERO).await;
+    let g = gw.gateway.as_ref().unwrap();
+    assert!(g.grpc_addr.is_none() && g.metrics_addr.is_none());
+    let live = gw.json(gw.client.get(gw.url("/v2/health/live"))).await;
+    assert_eq!(live, json!({"live": true}));
+    // A known path with a wrong method: 405, JSON, and what is allowed.
+    for (method, path, allow) in [
+        (reqwest::Method::GET, "/predict", "POST"),
+        (reqwest::Method::DELETE, "/v2/models/classifier", "GET"),
+        (
+            reqwest::Method::PUT,
+            "/v2/models/classifier/versions/1/infer",
+            "POST",
+        ),
+        (reqwest::Method::POST, "/v2/health/ready", "GET"),
+    ] {
+        let r = gw
+            .client
+            .request(method, gw.url(path))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 405, "{path}");
+        assert_eq!(r.headers()["allow"], allow, "{path}");
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(body["code"], "method_not_allowed", "{path}");
+    }
+    let r = gw.client.get(gw.url("/v2/nowhere")).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    gw.stop().await;
+
+    // --allow-http=false: gRPC and metrics only; the stop still drains and returns.
+    let mut config = Config::for_tests();
+    config.allow_http = false;
+    let gateway = common::start_fake_gateway(config, Default::default()).await;
+    assert!(gateway.http_addr.is_none());
+    let metrics = gateway.metrics_addr.expect("metrics on");
+    let body = reqwest::get(format!("http://{metrics}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(body.contains("nv_inference_count") || body.contains("visiongate_"));
+    tokio::time::timeout(Duration::from_secs(30), gateway.stop())
+        .await
+        .expect("stops");
+
+    // --strict-readiness=false: ready while a model is still loading.
+    let mut config = Config::for_tests();
+    config.strict_readiness = false;
+    let gateway = common::start_fake_gateway(config, Default::default()).await;
+    assert!(gateway.state.is_ready());
+    gateway.stop().await;
 }

@@ -2,6 +2,7 @@
 //! a fake. An engine is owned by one instance thread and never sees tasks or channels.
 
 pub mod cuda;
+pub mod cuda_host;
 mod fake;
 mod torch;
 

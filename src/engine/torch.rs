@@ -29,6 +29,12 @@ pub struct TorchEngine {
     normalize: Option<(Normalize, Tensor, Tensor)>,
     /// On a GPU: events around input, forward and output on this instance's stream.
     events: Option<[cuda::Event; 4]>,
+    /// On a GPU, the batch sizes the module has run. A batch of another size is padded
+    /// to the next of these: on a GPU the TorchScript executor compiles fused kernels for
+    /// each new input shape, which took 3 to 5 s on an H100, stalling every request in
+    /// that batch; padding rows costs little there (a batch of 64 takes about as long as
+    /// one of 16). CPU batches run at their own size (no such compile; rows cost time).
+    sizes_run: std::collections::BTreeSet<usize>,
 }
 
 /// A model file's path from its model directory on: `<model>/<version>/<file>`.
@@ -80,7 +86,16 @@ impl TorchEngine {
             staging: None,
             normalize: None,
             events,
+            sizes_run: Default::default(),
         })
+    }
+
+    /// The rows a batch of `rows` runs as (see `sizes_run`).
+    fn padded(&self, rows: usize) -> usize {
+        match self.device {
+            Device::Cuda(_) => self.sizes_run.range(rows..).next().copied().unwrap_or(rows),
+            _ => rows,
+        }
     }
 
     /// Marks the point `i` (0: start, 1: input ready, 2: forward done, 3: output on the
@@ -122,15 +137,16 @@ impl TorchEngine {
         }
     }
 
-    /// `data` in the staging buffer, as a `[len]` u8 tensor on the host.
-    fn stage(&mut self, data: &[u8]) -> Result<Tensor, tch::TchError> {
-        let len = data.len() as i64;
+    /// `data` at the start of the staging buffer, as a `[len]` u8 tensor on the host
+    /// (`len` >= `data.len()`: what follows `data` are pixels of no one, for padding).
+    fn stage(&mut self, data: &[u8], len: usize) -> Result<Tensor, tch::TchError> {
+        let len = len.max(data.len()) as i64;
         let big_enough = self
             .staging
             .as_ref()
             .is_some_and(|s| s.size1().ok() >= Some(len));
         if !big_enough {
-            let buffer = Tensor::f_empty([len], (Kind::Uint8, Device::Cpu))?;
+            let buffer = Tensor::f_zeros([len], (Kind::Uint8, Device::Cpu))?;
             self.staging = Some(match self.device {
                 Device::Cuda(_) => buffer.f_pin_memory(self.device)?,
                 _ => buffer,
@@ -160,8 +176,14 @@ impl TorchEngine {
         Ok((mean, std))
     }
 
-    fn input_tensor(&mut self, input: BatchInput<'_>) -> Result<Tensor, tch::TchError> {
-        let rows = input.rows() as i64;
+    /// The batch as the model's input, `rows` rows (`input`'s, then padding).
+    fn input_tensor(
+        &mut self,
+        input: BatchInput<'_>,
+        rows: usize,
+    ) -> Result<Tensor, tch::TchError> {
+        let pad = (rows - input.rows()) as i64;
+        let rows = rows as i64;
         let cuda = self.device.is_cuda();
         match input {
             BatchInput::Images {
@@ -175,12 +197,10 @@ impl TorchEngine {
                 // The permuted view keeps the NHWC layout ("channels-last" strides), which
                 // the exported model is laid out for; no copy back to NCHW.
                 let shape = [rows, height as i64, width as i64, 3];
-                let x = self.stage(data)?.f_view(shape)?.f_to_device_(
-                    self.device,
-                    Kind::Uint8,
-                    cuda,
-                    false,
-                )?;
+                let x = self
+                    .stage(data, rows as usize * height * width * 3)?
+                    .f_view(shape)?
+                    .f_to_device_(self.device, Kind::Uint8, cuda, false)?;
                 let (mean, std) = self.normalize(normalize)?;
                 normalized(&x, mean, std)
             }
@@ -188,13 +208,23 @@ impl TorchEngine {
                 data,
                 height,
                 width,
-            } => Tensor::f_from_slice(data)?
-                .f_view([rows, 3, height as i64, width as i64])?
-                .f_to_device(self.device)?
-                // To channels-last strides (the model's layout), on the device.
-                .f_permute([0, 2, 3, 1])?
-                .f_contiguous()?
-                .f_permute([0, 3, 1, 2]),
+            } => {
+                let shape = |n: i64| [n, 3, height as i64, width as i64];
+                let x = Tensor::f_from_slice(data)?.f_view(shape(rows - pad))?;
+                let x = if pad > 0 {
+                    Tensor::f_cat(
+                        &[x, Tensor::f_zeros(shape(pad), (Kind::Float, Device::Cpu))?],
+                        0,
+                    )?
+                } else {
+                    x
+                };
+                x.f_to_device(self.device)?
+                    // To channels-last strides (the model's layout), on the device.
+                    .f_permute([0, 2, 3, 1])?
+                    .f_contiguous()?
+                    .f_permute([0, 3, 1, 2])
+            }
         }
     }
 
@@ -205,20 +235,29 @@ impl TorchEngine {
     ) -> Result<EngineOutput, tch::TchError> {
         let _no_grad = tch::no_grad_guard();
         let rows = input.rows();
+        let padded = self.padded(rows);
         let t0 = Instant::now();
         self.mark(0)?;
-        let x = self.input_tensor(input)?;
+        let x = self.input_tensor(input, padded)?;
         self.mark(1)?;
         let t1 = Instant::now();
         let logits = self.module.forward_ts(&[x])?;
         self.mark(2)?;
         let t2 = Instant::now();
         let size = logits.size();
-        if size.len() != 2 || size[0] != rows as i64 {
+        if size.len() != 2 || size[0] != padded as i64 {
             return Err(tch::TchError::Shape(format!(
-                "model returned shape {size:?} for {rows} rows; expected [{rows}, classes]"
+                "model returned shape {size:?} for {padded} rows; expected [{padded}, classes]"
             )));
         }
+        if self.device.is_cuda() {
+            self.sizes_run.insert(padded);
+        }
+        let logits = if padded > rows {
+            logits.f_narrow(0, 0, rows as i64)?
+        } else {
+            logits
+        };
         let num_classes = size[1] as usize;
         let mut out = EngineOutput {
             num_classes,

@@ -25,7 +25,7 @@ use tonic::Status;
 
 use crate::error::GatewayError;
 use crate::pace::{BodyPace, Budget, Step};
-use crate::state::{Drain, Work};
+use crate::state::{Drain, Endpoint, Restrictions, Work};
 
 /// The HTTP/2 client preface (24 bytes) and the header of its first SETTINGS frame.
 const HANDSHAKE_BYTES: usize = 24 + 9;
@@ -225,13 +225,15 @@ impl tonic::transport::server::Connected for Conn {
     }
 }
 
-/// The tower layer that counts each call as open on its connection until its response is
-/// done, and holds its request body to `pace`. A unary inference call is admitted by the
-/// `drain` as its headers arrive, so a stop waits for a message still being received.
+/// The tower layer that refuses calls to restricted methods without their key, counts
+/// each call as open on its connection until its response is done, and holds its request
+/// body to `pace`. A unary inference call is admitted by the `drain` as its headers
+/// arrive, so a stop waits for a message still being received.
 #[derive(Clone)]
 pub struct CallLayer {
     pub pace: BodyPace,
     pub drain: Arc<Drain>,
+    pub restrictions: Restrictions,
 }
 
 impl<S> tower::Layer<S> for CallLayer {
@@ -242,6 +244,7 @@ impl<S> tower::Layer<S> for CallLayer {
             inner,
             pace: self.pace,
             drain: self.drain.clone(),
+            restrictions: Arc::new(self.restrictions.clone()),
         }
     }
 }
@@ -251,6 +254,7 @@ pub struct Calls<S> {
     inner: S,
     pace: BodyPace,
     drain: Arc<Drain>,
+    restrictions: Arc<Restrictions>,
 }
 
 impl<S, B> tower::Service<http::Request<Body>> for Calls<S>
@@ -271,6 +275,17 @@ where
 
     fn call(&mut self, request: http::Request<Body>) -> Self::Future {
         let path = request.uri().path();
+        let method = path.rsplit('/').next().unwrap_or_default();
+        if let Some(endpoint) = Endpoint::of_grpc_method(method) {
+            let headers = request.headers();
+            let sent = |name: &str| {
+                let value = headers.get(name)?.to_str().ok()?;
+                Some(value.to_string())
+            };
+            if let Err(e) = self.restrictions.check(endpoint, sent) {
+                return Box::pin(std::future::ready(Ok(Status::from(e).into_http())));
+            }
+        }
         // Each message of a stream is admitted on its own (`model_stream_infer`).
         let work = if path.ends_with("/ModelInfer") {
             match self.drain.admit() {

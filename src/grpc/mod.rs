@@ -48,6 +48,7 @@ pub async fn serve(
     kill: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let drain = service.drain();
+    let restrictions = service.restrictions();
     let server = pb::grpc_inference_service_server::GrpcInferenceServiceServer::new(service)
         .max_decoding_message_size(settings.max_message_bytes)
         .max_encoding_message_size(settings.max_message_bytes);
@@ -60,6 +61,7 @@ pub async fn serve(
         .layer(conn::CallLayer {
             pace: settings.pace,
             drain,
+            restrictions,
         })
         .add_service(server)
         .serve_with_incoming_shutdown(

@@ -10,7 +10,9 @@ use super::convert;
 use super::pb::{self, grpc_inference_service_server::GrpcInferenceService};
 use crate::error::GatewayError;
 use crate::kserve;
-use crate::state::{load_parameters, unload_parameters, AppState, ControlParam, Drain};
+use crate::state::{
+    load_parameters, unload_parameters, AppState, ControlParam, Drain, Restrictions,
+};
 
 #[derive(Clone)]
 pub struct InferenceService {
@@ -25,6 +27,11 @@ impl InferenceService {
     pub fn drain(&self) -> Arc<Drain> {
         self.state.drain.clone()
     }
+
+    /// The restricted methods (`--grpc-restricted-protocol`), checked by the call layer.
+    pub fn restrictions(&self) -> Restrictions {
+        self.state.server.keys.grpc.clone()
+    }
 }
 
 fn version(v: &str) -> Option<&str> {
@@ -36,17 +43,6 @@ fn unimplemented(what: &str) -> Status {
         "{what} is not supported by visiongate: send tensors in the request \
          (raw_input_contents or contents) instead"
     ))
-}
-
-/// A request header (gRPC metadata, lower-case keys) by name.
-fn metadata_of<T>(request: &Request<T>) -> impl Fn(&str) -> Option<String> + '_ {
-    |name| {
-        request
-            .metadata()
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string)
-    }
 }
 
 /// Load/unload parameters as the transport-neutral `ControlParam`.
@@ -105,7 +101,7 @@ impl GrpcInferenceService for InferenceService {
         _: Request<pb::ServerMetadataRequest>,
     ) -> Result<Response<pb::ServerMetadataResponse>, Status> {
         Ok(Response::new(pb::ServerMetadataResponse {
-            name: kserve::SERVER_NAME.to_string(),
+            name: self.state.server.id.clone(),
             version: kserve::SERVER_VERSION.to_string(),
             extensions: kserve::EXTENSIONS.iter().map(|e| e.to_string()).collect(),
         }))
@@ -118,7 +114,7 @@ impl GrpcInferenceService for InferenceService {
         let r = request.into_inner();
         let served = kserve::resolve(&self.state, &r.name, version(&r.version))?;
         Ok(Response::new(convert::model_metadata(
-            kserve::model_metadata(&self.state, served.repository_model()),
+            kserve::model_metadata(&self.state, &served),
         )))
     }
 
@@ -236,7 +232,7 @@ impl GrpcInferenceService for InferenceService {
     ) -> Result<Response<pb::RepositoryModelLoadResponse>, Status> {
         self.state
             .registry
-            .authorize_control(metadata_of(&request))?;
+            .authorize_control(&self.state.server.keys.grpc)?;
         let r = request.into_inner();
         let config = load_parameters(control_params(r.parameters))?;
         self.state
@@ -252,7 +248,7 @@ impl GrpcInferenceService for InferenceService {
     ) -> Result<Response<pb::RepositoryModelUnloadResponse>, Status> {
         self.state
             .registry
-            .authorize_control(metadata_of(&request))?;
+            .authorize_control(&self.state.server.keys.grpc)?;
         let r = request.into_inner();
         let dependents = unload_parameters(control_params(r.parameters))?;
         self.state

@@ -8,10 +8,14 @@ mod predict;
 mod v2;
 pub(crate) mod v2_infer;
 
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::Method;
+use actix_web::middleware::Next;
 use actix_web::{web, HttpResponse};
 
 use crate::error::{ErrorKind, GatewayError};
-use crate::state::AppState;
+use crate::state::{AppState, Endpoint};
 
 pub use client::on_connect;
 pub use predict::{FileError, FileFailure, FileResult, PredictResponse, Prediction, Timing, TopK};
@@ -25,30 +29,76 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: web::Data<AppState>) {
         .app_data(web::PathConfig::default().error_handler(|err, _req| {
             GatewayError::new(ErrorKind::InvalidInput, format!("bad path: {err}")).into()
         }))
-        .route("/predict", web::post().to(predict::predict))
-        .route("/v2/health/live", web::get().to(health::live))
-        .route("/v2/health/ready", web::get().to(health::ready))
-        .route("/v2", web::get().to(v2::server_metadata))
-        .route("/v2/models/stats", web::get().to(v2::model_stats))
-        .route("/v2/repository/index", web::post().to(v2::repository_index))
-        .route(
+        .service(one_method(
+            "/predict",
+            Method::POST,
+            web::post().to(predict::predict),
+        ))
+        .service(one_method(
+            "/v2/health/live",
+            Method::GET,
+            web::get().to(health::live),
+        ))
+        .service(one_method(
+            "/v2/health/ready",
+            Method::GET,
+            web::get().to(health::ready),
+        ))
+        .service(one_method(
+            "/v2",
+            Method::GET,
+            web::get().to(v2::server_metadata),
+        ))
+        .service(one_method(
+            "/v2/models/stats",
+            Method::GET,
+            web::get().to(v2::model_stats),
+        ))
+        .service(one_method(
+            "/v2/repository/index",
+            Method::POST,
+            web::post().to(v2::repository_index),
+        ))
+        .service(one_method(
             "/v2/repository/models/{model}/load",
+            Method::POST,
             web::post().to(v2::load_model),
-        )
-        .route(
+        ))
+        .service(one_method(
             "/v2/repository/models/{model}/unload",
+            Method::POST,
             web::post().to(v2::unload_model),
-        );
+        ));
     // Each model route with and without `/versions/{version}`.
     for base in [
         "/v2/models/{model}",
         "/v2/models/{model}/versions/{version}",
     ] {
-        cfg.route(base, web::get().to(v2::model_metadata))
-            .route(&format!("{base}/ready"), web::get().to(v2::model_ready))
-            .route(&format!("{base}/config"), web::get().to(v2::model_config))
-            .route(&format!("{base}/stats"), web::get().to(v2::model_stats))
-            .route(&format!("{base}/infer"), web::post().to(v2_infer::infer));
+        cfg.service(one_method(
+            base,
+            Method::GET,
+            web::get().to(v2::model_metadata),
+        ))
+        .service(one_method(
+            &format!("{base}/ready"),
+            Method::GET,
+            web::get().to(v2::model_ready),
+        ))
+        .service(one_method(
+            &format!("{base}/config"),
+            Method::GET,
+            web::get().to(v2::model_config),
+        ))
+        .service(one_method(
+            &format!("{base}/stats"),
+            Method::GET,
+            web::get().to(v2::model_stats),
+        ))
+        .service(one_method(
+            &format!("{base}/infer"),
+            Method::POST,
+            web::post().to(v2_infer::infer),
+        ));
     }
     cfg.route("/", web::get().to(index))
         // Swagger UI from the vendored crate (nothing is fetched from outside), reading the
@@ -70,10 +120,51 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: web::Data<AppState>) {
         .default_service(web::to(not_found));
 }
 
+/// Middleware (`actix_web::middleware::from_fn`): a request to a restricted endpoint
+/// without its key gets 403 (`--http-restricted-api`).
+pub async fn restrict(
+    req: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let endpoint = Endpoint::of_http_path(req.path());
+    let state = req.app_data::<web::Data<AppState>>();
+    if let (Some(endpoint), Some(state)) = (endpoint, state) {
+        let headers = req.headers();
+        let sent = |name: &str| Some(headers.get(name)?.to_str().ok()?.to_string());
+        if let Err(e) = state.server.keys.http.check(endpoint, sent) {
+            return Ok(req.error_response(e).map_into_right_body());
+        }
+    }
+    Ok(next.call(req).await?.map_into_left_body())
+}
+
 async fn index() -> HttpResponse {
     HttpResponse::Ok()
         .content_type("text/html; charset=utf-8")
         .body(include_str!("../../static/index.html"))
+}
+
+/// A resource answering `method` with `route`, and any other method with 405 and a JSON
+/// body (with `Allow`, as RFC 9110 asks).
+fn one_method(path: &str, method: Method, route: actix_web::Route) -> actix_web::Resource {
+    web::resource(path)
+        .route(route)
+        .default_service(web::to(move |req: actix_web::HttpRequest| {
+            let allow = method.clone();
+            async move {
+                let error = GatewayError::new(
+                    ErrorKind::MethodNotAllowed,
+                    format!("{} {} is not served: use {allow}", req.method(), req.path()),
+                );
+                let mut response = actix_web::ResponseError::error_response(&error);
+                if let Ok(value) = allow.as_str().parse() {
+                    response
+                        .headers_mut()
+                        .insert(actix_web::http::header::ALLOW, value);
+                }
+                response
+            }
+        }))
 }
 
 async fn not_found(req: actix_web::HttpRequest) -> Result<HttpResponse, GatewayError> {

@@ -320,26 +320,44 @@ where
 }
 
 /// A part's header block, up to and with its blank line: its `Content-Disposition`.
+/// Lines end with CRLF; each is `<name>: <value>`, the name a token, the value
+/// any bytes but CR and LF: a control character in a field name some client sent is that
+/// part's business, not a reason to refuse the upload.
 fn parse_head(block: &[u8]) -> Result<PartHead, Malformed> {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADER_LINES];
-    let parsed = httparse::parse_headers(block, &mut headers).map_err(|e| {
-        malformed(match e {
-            httparse::Error::TooManyHeaders => {
-                format!("a part has more than {MAX_HEADER_LINES} header lines")
-            }
-            e => format!("a part's headers: {e}"),
-        })
-    })?;
-    let httparse::Status::Complete((_, headers)) = parsed else {
-        return Err(malformed("a part's headers are incomplete"));
-    };
-    let Some(disposition) = headers
-        .iter()
-        .find(|h| h.name.eq_ignore_ascii_case("content-disposition"))
-    else {
+    let mut disposition = None;
+    let mut lines = 0;
+    for line in block.split(|&b| b == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if line.is_empty() {
+            continue;
+        }
+        lines += 1;
+        if lines > MAX_HEADER_LINES {
+            return Err(malformed(format!(
+                "a part has more than {MAX_HEADER_LINES} header lines"
+            )));
+        }
+        let colon = line.iter().position(|&b| b == b':');
+        let token = |name: &[u8]| {
+            !name.is_empty()
+                && name
+                    .iter()
+                    .all(|&b| b.is_ascii_graphic() && !b"()<>@,;:\\\"/[]?={}".contains(&b))
+        };
+        let Some((name, value)) = colon.map(|i| (&line[..i], &line[i + 1..])) else {
+            return Err(malformed("a part's header line has no ':'"));
+        };
+        if !token(name) {
+            return Err(malformed("a part's header line has no valid name"));
+        }
+        if name.eq_ignore_ascii_case(b"content-disposition") {
+            disposition = Some(value);
+        }
+    }
+    let Some(value) = disposition else {
         return Ok(PartHead::default());
     };
-    let value = String::from_utf8_lossy(disposition.value);
+    let value = String::from_utf8_lossy(value);
     Ok(PartHead {
         name: param(&value, "name"),
         filename: param(&value, "filename"),
@@ -483,6 +501,21 @@ headless\r\n--XyZ--\r\nepilogue";
 
         let e = parse(b"--XyZ junk\r\n\r\nx\r\n--XyZ--", 1000).unwrap_err();
         assert!(e.0.contains("line break"), "{e}");
+
+        let e = parse(b"--XyZ\r\nno colon\r\n\r\nx\r\n--XyZ--", 1000).unwrap_err();
+        assert!(e.0.contains("no ':'"), "{e}");
+        let e = parse(b"--XyZ\r\nBad Name: 1\r\n\r\nx\r\n--XyZ--", 1000).unwrap_err();
+        assert!(e.0.contains("no valid name"), "{e}");
+    }
+
+    #[test]
+    fn control_bytes_in_a_header_value_are_that_parts_business() {
+        let body = b"--XyZ\r\nContent-Disposition: form-data; name=\"a\x7f\x18\xc2\x94\"\r\n\r\nv\r\n\
+                     --XyZ\r\ncontent-disposition: form-data; name=files; filename=\"x.jpg\"\r\n\r\nimg\r\n--XyZ--";
+        let parts = parse(body, 5).unwrap();
+        assert_eq!(parts[0].0.name.as_deref(), Some("a\u{7f}\u{18}\u{94}"));
+        assert_eq!(parts[1].0.filename.as_deref(), Some("x.jpg"));
+        assert_eq!(parts[1].1, b"img");
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! from the handlers' `#[utoipa::path]` and the DTOs' `ToSchema`. `openapi/openapi.json` is
 //! this document, committed (`make openapi` rewrites it); a test fails when they drift.
 use utoipa::openapi::path::{Operation, Parameter, ParameterBuilder, ParameterIn, PathItem};
-use utoipa::openapi::{ObjectBuilder, Required, Type};
+use utoipa::openapi::{
+    ContentBuilder, ObjectBuilder, Ref, RefOr, Required, ResponseBuilder, Schema, Type,
+};
 use utoipa::OpenApi;
 
 use super::{health, predict, v2, v2_infer};
@@ -74,7 +76,68 @@ pub fn document() -> utoipa::openapi::OpenApi {
             );
         }
     }
+    for item in paths.values_mut() {
+        *item = with_operations(item.clone(), exact_contract);
+    }
     doc
+}
+
+/// Model names as `ModelName::check` takes them: no path separator or control character,
+/// not `.` or `..` (and at most 255 characters: `maxLength`).
+const MODEL_NAME: &str = r"^(?:[^/\\.\x00-\x1f\x7f-\x9f][^/\\\x00-\x1f\x7f-\x9f]*|\.[^/\\.\x00-\x1f\x7f-\x9f][^/\\\x00-\x1f\x7f-\x9f]*|\.\.[^/\\\x00-\x1f\x7f-\x9f]+)$";
+/// A version is a number (u64; 19 digits always fit).
+const MODEL_VERSION: &str = "^[0-9]{1,19}$";
+
+/// What every operation shares: model and version parameters typed as the server checks
+/// them, 400 where they can be malformed, and 403 where `--http-restricted-api` applies.
+fn exact_contract(op: &mut Operation) {
+    let mut names = false;
+    for p in op.parameters.iter_mut().flatten() {
+        let pattern = match p.name.as_str() {
+            "model" => MODEL_NAME,
+            "version" => MODEL_VERSION,
+            _ => continue,
+        };
+        names = true;
+        let description = p.description.take();
+        *p = ParameterBuilder::from(p.clone())
+            .description(description)
+            .schema(Some(
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .pattern(Some(pattern))
+                    .min_length(Some(1))
+                    .max_length(Some(if pattern == MODEL_NAME { 255 } else { 19 })),
+            ))
+            .build();
+    }
+    let error = |description: &str| {
+        RefOr::T(
+            ResponseBuilder::new()
+                .description(description)
+                .content(
+                    "application/json",
+                    ContentBuilder::new()
+                        .schema(Some(RefOr::<Schema>::Ref(Ref::from_schema_name(
+                            "ErrorBody",
+                        ))))
+                        .build(),
+                )
+                .build(),
+        )
+    };
+    let responses = &mut op.responses.responses;
+    if names {
+        responses
+            .entry("400".to_string())
+            .or_insert_with(|| error("A malformed model name or version"));
+    }
+    responses.entry("403".to_string()).or_insert_with(|| {
+        error(
+            "The API is restricted (`--http-restricted-api`) and the request lacks its \
+             header and key",
+        )
+    });
 }
 
 /// The document as the committed file holds it.

@@ -31,16 +31,20 @@ const FILE_FIELDS: [&str; 2] = ["files", "file"];
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct PredictQuery {
-    /// How many classes to return per image (default 5).
-    pub top_k: Option<usize>,
+    /// How many classes to return per image (default 5; more than the model has gives
+    /// all of them).
+    #[param(minimum = 1)]
+    pub top_k: Option<i32>,
     /// Which image model (default `ensemble_model`).
     pub model: Option<String>,
     /// Priority level, 1 the highest (Triton's `priority`); 0 or a level the model does
     /// not have means its `default_priority_level`.
-    pub priority: Option<u64>,
+    #[param(minimum = 0)]
+    pub priority: Option<i64>,
     /// Queue timeout in microseconds (Triton's `timeout`): honoured where the model's
     /// queue policy has `allow_timeout_override`, and only to shorten its default.
-    pub timeout_us: Option<u64>,
+    #[param(minimum = 0)]
+    pub timeout_us: Option<i64>,
 }
 
 #[derive(Debug, Serialize, Deserialize, Clone, PartialEq, utoipa::ToSchema)]
@@ -92,12 +96,23 @@ pub struct FileFailure {
     pub error: FileError,
 }
 
+/// A query number that must not be negative (typed `i64` so that the document's int64
+/// is exactly what parses).
+fn non_negative(name: &str, v: Option<i64>) -> Result<Option<u64>, GatewayError> {
+    v.map(|v| {
+        u64::try_from(v)
+            .map_err(|_| GatewayError::invalid(format!("{name} must not be negative, got {v}")))
+    })
+    .transpose()
+}
+
 /// The multipart body of `/predict` (documentation only: the handler streams the parts).
 #[derive(utoipa::ToSchema)]
 #[allow(dead_code)]
 pub struct PredictUpload {
-    /// The images, one part each (up to `--max-files`; the field `file` works too).
-    #[schema(value_type = Vec<String>, format = Binary)]
+    /// The images, one part each (up to `--max-files`, 1000 by default; the field `file`
+    /// works too).
+    #[schema(value_type = Vec<String>, format = Binary, min_items = 1, max_items = 1000)]
     files: Vec<Vec<u8>>,
 }
 
@@ -191,16 +206,17 @@ async fn classify(
     }
     let model_name = query.model.as_deref().unwrap_or(DEFAULT_MODEL);
     let pipeline = state.registry.image_pipeline(model_name)?;
-    let top_k = query.top_k.unwrap_or(DEFAULT_TOP_K);
-    if top_k == 0 || top_k > pipeline.num_classes {
+    let top_k = query.top_k.map_or(DEFAULT_TOP_K as i32, |k| k);
+    if top_k < 1 {
         return Err(GatewayError::invalid(format!(
-            "top_k must be between 1 and {} (the model's classes), got {top_k}",
-            pipeline.num_classes
+            "top_k must be at least 1, got {top_k}"
         )));
     }
+    // As Triton's classification: asking for more classes than there are gives all.
+    let top_k = (top_k as usize).min(pipeline.num_classes);
     let options = RequestOptions {
-        priority: query.priority.unwrap_or(0),
-        timeout: query.timeout_us.map(Duration::from_micros),
+        priority: non_negative("priority", query.priority)?.unwrap_or(0),
+        timeout: non_negative("timeout_us", query.timeout_us)?.map(Duration::from_micros),
     };
     let want = OutputRequest {
         top_k,

@@ -1,7 +1,7 @@
 //! KServe v2 REST (Triton's HTTP protocol): server and model metadata, readiness,
 //! configuration, statistics and the repository index. Inference is in `v2_infer`. Every
 //! answer comes from `kserve`, which gRPC shares.
-use actix_web::{web, HttpRequest, HttpResponse};
+use actix_web::{web, HttpResponse};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ErrorBody, ErrorKind, GatewayError};
@@ -12,7 +12,8 @@ use crate::state::{load_parameters, unload_parameters, AppState, ControlParam, S
 
 #[derive(Serialize, utoipa::ToSchema)]
 pub struct ServerMetadata {
-    name: &'static str,
+    /// The server's id (Triton's `--id`; default `visiongate`).
+    name: String,
     version: &'static str,
     /// The protocol extensions served (Triton's names).
     extensions: Vec<&'static str>,
@@ -21,9 +22,9 @@ pub struct ServerMetadata {
 /// Server name, version and protocol extensions.
 #[utoipa::path(get, path = "/v2", tag = "kserve",
     responses((status = 200, description = "Server metadata", body = ServerMetadata)))]
-pub async fn server_metadata() -> HttpResponse {
+pub async fn server_metadata(state: web::Data<AppState>) -> HttpResponse {
     HttpResponse::Ok().json(ServerMetadata {
-        name: kserve::SERVER_NAME,
+        name: state.server.id.clone(),
         version: kserve::SERVER_VERSION,
         extensions: kserve::EXTENSIONS.to_vec(),
     })
@@ -55,7 +56,7 @@ pub async fn model_metadata(
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
     let served = path.served(&state)?;
-    Ok(HttpResponse::Ok().json(kserve::model_metadata(&state, served.repository_model())))
+    Ok(HttpResponse::Ok().json(kserve::model_metadata(&state, &served)))
 }
 
 /// The model's configuration as Triton returns it: its `config.pbtxt` in the protobuf
@@ -154,40 +155,79 @@ pub async fn repository_index(
     body: web::Bytes,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
-    let request: IndexRequest = if body.iter().all(u8::is_ascii_whitespace) {
-        IndexRequest::default()
-    } else {
-        serde_json::from_slice(&body).map_err(|e| {
-            GatewayError::new(
-                ErrorKind::InvalidInput,
-                format!("malformed repository index request: {e}"),
-            )
-        })?
-    };
+    let request: IndexRequest = json_object_or_null(&body).map_err(|e| {
+        GatewayError::new(
+            ErrorKind::InvalidInput,
+            format!("malformed repository index request: {e}"),
+        )
+    })?;
     Ok(HttpResponse::Ok().json(kserve::repository_index(&state, request.ready)))
 }
 
 /// A load or unload request. Load: `config` (a `ModelConfig` as a JSON string) replaces
 /// `config.pbtxt`. Unload: `unload_dependents` (boolean) unloads an ensemble's steps too.
-#[derive(Deserialize, Default, utoipa::ToSchema)]
+#[derive(Deserialize, Default)]
 pub struct ControlRequest {
     #[serde(default)]
-    #[schema(value_type = Object)]
     parameters: serde_json::Map<String, serde_json::Value>,
+}
+
+/// A load request (documentation: the handler reads a `ControlRequest`, and refuses the
+/// parameters not listed here).
+#[derive(Deserialize, utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct LoadRequest {
+    #[serde(default)]
+    parameters: LoadParameters,
+}
+
+#[derive(Deserialize, Default, utoipa::ToSchema)]
+#[allow(dead_code)]
+#[serde(deny_unknown_fields)]
+pub struct LoadParameters {
+    /// A `ModelConfig` as JSON, used instead of the model's `config.pbtxt`.
+    #[serde(default)]
+    config: String,
+}
+
+/// An unload request (documentation, as `LoadRequest`).
+#[derive(Deserialize, utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct UnloadRequest {
+    #[serde(default)]
+    parameters: UnloadParameters,
+}
+
+#[derive(Deserialize, Default, utoipa::ToSchema)]
+#[allow(dead_code)]
+#[serde(deny_unknown_fields)]
+pub struct UnloadParameters {
+    /// Unload an ensemble's steps too (unless another loaded ensemble uses them).
+    #[serde(default)]
+    unload_dependents: bool,
+}
+
+/// An optional JSON body: nothing or `null` is the default; otherwise an object (serde
+/// would also read a struct from an array).
+fn json_object_or_null<T: serde::de::DeserializeOwned + Default>(body: &[u8]) -> Result<T, String> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    match serde_json::from_slice::<serde_json::Value>(body).map_err(|e| e.to_string())? {
+        serde_json::Value::Null => Ok(T::default()),
+        v @ serde_json::Value::Object(_) => serde_json::from_value(v).map_err(|e| e.to_string()),
+        _ => Err("expected a JSON object".into()),
+    }
 }
 
 /// The parameters of a load or unload request body (an empty body has none).
 fn control_parameters(body: &web::Bytes) -> Result<Vec<(String, ControlParam)>, GatewayError> {
-    let request: ControlRequest = if body.iter().all(u8::is_ascii_whitespace) {
-        ControlRequest::default()
-    } else {
-        serde_json::from_slice(body).map_err(|e| {
-            GatewayError::new(
-                ErrorKind::InvalidInput,
-                format!("malformed repository request: {e}"),
-            )
-        })?
-    };
+    let request: ControlRequest = json_object_or_null(body).map_err(|e| {
+        GatewayError::new(
+            ErrorKind::InvalidInput,
+            format!("malformed repository request: {e}"),
+        )
+    })?;
     Ok(request
         .parameters
         .into_iter()
@@ -205,33 +245,23 @@ fn control_parameters(body: &web::Bytes) -> Result<Vec<(String, ControlParam)>, 
         .collect())
 }
 
-fn header_of(req: &HttpRequest) -> impl Fn(&str) -> Option<String> + '_ {
-    |name| {
-        req.headers()
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string)
-    }
-}
-
 /// `POST /v2/repository/models/{m}/load`: loads or reloads the model from the repository
 /// (explicit mode, with the control key), with the `config` parameter instead of its
 /// `config.pbtxt` when given. Returns once it serves.
 #[utoipa::path(post, path = "/v2/repository/models/{model}/load", tag = "repository",
     params(("model" = String, Path, description = "Model name")),
-    request_body(content = Option<ControlRequest>, description = "Optional"),
+    request_body(content = Option<LoadRequest>, description = "Optional"),
     responses(
         (status = 200, description = "Done"),
         (status = 400, description = "Not explicit mode, an unknown model, a bad parameter or a failed load (the previous versions keep serving)", body = ErrorBody),
-        (status = 403, description = "Without the `--repository-control-key` header and key", body = ErrorBody),
+        (status = 403, description = "Without the model-repository key's header (`--http-restricted-api`, `--repository-control-key`), or none configured", body = ErrorBody),
     ))]
 pub async fn load_model(
-    req: HttpRequest,
     path: web::Path<String>,
     body: web::Bytes,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
-    state.registry.authorize_control(header_of(&req))?;
+    state.registry.authorize_control(&state.server.keys.http)?;
     let config = load_parameters(control_parameters(&body)?)?;
     state.registry.load_model(&path, config).await?;
     Ok(HttpResponse::Ok().finish())
@@ -241,19 +271,18 @@ pub async fn load_model(
 /// admitted finish. `unload_dependents` unloads an ensemble's steps too.
 #[utoipa::path(post, path = "/v2/repository/models/{model}/unload", tag = "repository",
     params(("model" = String, Path, description = "Model name")),
-    request_body(content = Option<ControlRequest>, description = "Optional"),
+    request_body(content = Option<UnloadRequest>, description = "Optional"),
     responses(
         (status = 200, description = "Unloaded (also when it was not loaded, as Triton)"),
         (status = 400, description = "Not explicit mode, or a bad parameter", body = ErrorBody),
-        (status = 403, description = "Without the `--repository-control-key` header and key", body = ErrorBody),
+        (status = 403, description = "Without the model-repository key's header (`--http-restricted-api`, `--repository-control-key`), or none configured", body = ErrorBody),
     ))]
 pub async fn unload_model(
-    req: HttpRequest,
     path: web::Path<String>,
     body: web::Bytes,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
-    state.registry.authorize_control(header_of(&req))?;
+    state.registry.authorize_control(&state.server.keys.http)?;
     let dependents = unload_parameters(control_parameters(&body)?)?;
     state.registry.unload_model(&path, dependents).await?;
     Ok(HttpResponse::Ok().finish())

@@ -48,19 +48,23 @@ pub struct JsonRequest<'a> {
     #[schema(value_type = Object)]
     parameters: Params,
     #[serde(borrow)]
-    #[schema(value_type = Vec<JsonInput>)]
+    #[schema(value_type = Vec<JsonInput>, min_items = 1, max_items = 64)]
     inputs: Capped<JsonInput<'a>, MAX_TENSORS>,
     #[serde(default)]
-    #[schema(value_type = Vec<JsonOutput>)]
+    #[schema(value_type = Vec<JsonOutput>, max_items = 64)]
     outputs: Capped<JsonOutput, MAX_TENSORS>,
 }
 
 #[derive(Deserialize, utoipa::ToSchema)]
 pub struct JsonInput<'a> {
+    #[schema(min_length = 1)]
     name: String,
-    #[schema(value_type = Vec<i64>)]
+    #[schema(value_type = Vec<u64>, max_items = 16)]
     shape: Capped<i64, MAX_DIMS>,
     /// BOOL, UINT8..UINT64, INT8..INT64, FP16, BF16, FP32, FP64 or BYTES.
+    #[schema(
+        pattern = "^(BOOL|UINT8|UINT16|UINT32|UINT64|INT8|INT16|INT32|INT64|FP16|BF16|FP32|FP64|BYTES)$"
+    )]
     datatype: String,
     /// `binary_data_size` when the data follows the JSON header.
     #[serde(default)]
@@ -74,6 +78,7 @@ pub struct JsonInput<'a> {
 
 #[derive(Deserialize, utoipa::ToSchema)]
 pub struct JsonOutput {
+    #[schema(min_length = 1)]
     name: String,
     /// `binary_data` (boolean), `classification` (top k as `score:index:label`).
     #[serde(default)]

@@ -17,10 +17,9 @@ pub use tensor::{
 
 use crate::domain::ModelVersion;
 use crate::error::{ErrorKind, GatewayError};
-use crate::repository::{pb, RepositoryModel};
+use crate::repository::pb;
 use crate::state::{AppState, ServedModel};
 
-pub const SERVER_NAME: &str = "visiongate";
 pub const SERVER_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The protocol extensions this server implements, as reported in server metadata.
@@ -46,6 +45,22 @@ pub struct ModelMetadata {
     pub platform: String,
     pub inputs: Vec<TensorMetadata>,
     pub outputs: Vec<TensorMetadata>,
+    /// visiongate's addition (HTTP only): where each loaded instance of a classifier runs.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub instances: Vec<InstancePlacement>,
+    /// visiongate's addition (HTTP only): why a classifier's instances do not run where
+    /// its config puts them (e.g. `KIND_GPU` on a host without usable GPUs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub placement_fallback: Option<String>,
+}
+
+/// One model instance and its device.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]
+pub struct InstancePlacement {
+    /// The instance (`gpu0/1`: the second instance on GPU 0; `cpu/0`).
+    pub name: String,
+    /// `cpu` or `cuda:N`.
+    pub device: String,
 }
 
 /// The served model called `model`, in `version` when one is given (empty means its
@@ -77,8 +92,13 @@ pub fn datatype_name(t: pb::DataType) -> String {
 
 /// Model metadata as Triton reports it: with batching, the batch dimension is a leading -1;
 /// `versions` lists every served version of the model.
-pub fn model_metadata(state: &AppState, m: &RepositoryModel) -> ModelMetadata {
+pub fn model_metadata(state: &AppState, served: &ServedModel) -> ModelMetadata {
+    let m = served.repository_model();
     let c = &m.config;
+    let (instances, placement_fallback) = match served {
+        ServedModel::Classifier { handle, .. } => handle.placement(),
+        _ => (Vec::new(), None),
+    };
     let shape = |dims: &[i64]| -> Vec<i64> {
         let batch = (c.max_batch_size > 0).then_some(-1);
         batch.into_iter().chain(dims.iter().copied()).collect()
@@ -114,6 +134,11 @@ pub fn model_metadata(state: &AppState, m: &RepositoryModel) -> ModelMetadata {
                 shape: shape(&o.dims),
             })
             .collect(),
+        instances: instances
+            .into_iter()
+            .map(|(name, device)| InstancePlacement { name, device })
+            .collect(),
+        placement_fallback,
     }
 }
 
@@ -165,7 +190,7 @@ pub fn repository_index(state: &AppState, ready_only: bool) -> Vec<IndexEntry> {
             .entry(name)
             .is_some_and(|e| !e.served.is_empty() || e.unavailable.is_some())
     };
-    let never_loaded = crate::repository::model_names(&state.registry.control.repository)
+    let never_loaded = crate::repository::model_names(&state.registry.control.repositories)
         .into_iter()
         .filter(|name| !known(name))
         .map(|name| IndexEntry {

@@ -2,7 +2,7 @@
 //! two never disagree whichever transport a request came in by.
 use crate::error::GatewayError;
 use crate::state::{AppState, ServedModel};
-use crate::telemetry::{reason, Metrics};
+use crate::telemetry::{reason, Latency, Metrics};
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 pub struct DurationStat {
@@ -121,17 +121,17 @@ fn statistics(metrics: &Metrics, served: &ServedModel) -> ModelStatistics {
         inference_stats: InferStats {
             success: DurationStat {
                 count: success,
-                ns: ns(&metrics.request_duration_us),
+                ns: ns(metrics.latency.counter(Latency::Request)),
             },
             // Durations of failed requests are not recorded; their count is.
             fail: DurationStat {
                 count: failures,
                 ns: 0,
             },
-            queue: per_request(&metrics.queue_duration_us),
-            compute_input: per_request(&metrics.compute_input_duration_us),
-            compute_infer: per_request(&metrics.compute_infer_duration_us),
-            compute_output: per_request(&metrics.compute_output_duration_us),
+            queue: per_request(metrics.latency.counter(Latency::Queue)),
+            compute_input: per_request(metrics.latency.counter(Latency::ComputeInput)),
+            compute_infer: per_request(metrics.latency.counter(Latency::ComputeInfer)),
+            compute_output: per_request(metrics.latency.counter(Latency::ComputeOutput)),
             cache_hit: DurationStat {
                 count: get(&metrics.cache_hits),
                 ns: 0,

@@ -89,30 +89,64 @@ pub struct ScanResult {
     pub failures: Vec<LoadFailure>,
 }
 
-/// Reads every model directory under `root`. Only an unreadable `root` is an error;
-/// a broken model becomes a [`LoadFailure`] and the rest load.
-pub fn scan(root: &Path) -> Result<ScanResult, RepositoryError> {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(root)
-        .map_err(RepositoryError::Root)?
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .filter(|p| p.is_dir() && p.join("config.pbtxt").is_file())
-        .collect();
+/// The model directories (those with a `config.pbtxt`) of every repository in `roots`,
+/// by name, sorted; a name found in more than one repository comes once per repository.
+/// Only an unreadable repository is an error.
+fn model_dirs(roots: &[PathBuf]) -> Result<Vec<(String, PathBuf)>, RepositoryError> {
+    let mut dirs = Vec::new();
+    for root in roots {
+        for entry in std::fs::read_dir(root).map_err(RepositoryError::Root)? {
+            let Ok(entry) = entry else { continue };
+            let dir = entry.path();
+            if dir.is_dir() && dir.join("config.pbtxt").is_file() {
+                dirs.push((entry.file_name().to_string_lossy().into_owned(), dir));
+            }
+        }
+    }
     dirs.sort();
+    Ok(dirs)
+}
 
+/// Reads every model directory of the repositories `roots`. Only an unreadable repository
+/// is an error; a broken model becomes a [`LoadFailure`] and the rest load. A model name
+/// found in more than one repository is not served (as in Triton).
+pub fn scan(roots: &[PathBuf]) -> Result<ScanResult, RepositoryError> {
+    let dirs = model_dirs(roots)?;
     let mut result = ScanResult::default();
-    for dir in dirs {
-        let name = dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        match load_model(&dir, &name) {
+    for copies in dirs.chunk_by(|a, b| a.0 == b.0) {
+        let (name, dir) = &copies[0];
+        let loaded = if copies.len() > 1 {
+            Err(RepositoryError::Invalid {
+                model: name.clone(),
+                field: "name".into(),
+                message: format!(
+                    "the model is in {} model repositories; keep one of its directories",
+                    copies.len()
+                ),
+            })
+        } else {
+            load_model(dir, name)
+        };
+        match loaded {
             Ok(versions) => result.models.extend(versions),
-            Err(error) => result.failures.push(LoadFailure { model: name, error }),
+            Err(error) => result.failures.push(LoadFailure {
+                model: name.clone(),
+                error,
+            }),
         }
     }
     spec::check_ensembles(&mut result);
     Ok(result)
+}
+
+/// The directory of model `name` in the repositories `roots`, when exactly one has it.
+pub fn model_dir(roots: &[PathBuf], name: &str) -> Option<PathBuf> {
+    let mut found = roots
+        .iter()
+        .map(|root| root.join(name))
+        .filter(|dir| dir.join("config.pbtxt").is_file());
+    let dir = found.next()?;
+    found.next().is_none().then_some(dir)
 }
 
 /// A fingerprint of a model directory's files (names, sizes, modification times, two
@@ -158,18 +192,15 @@ fn load_model(dir: &Path, name: &str) -> Result<Vec<RepositoryModel>, Repository
     versions(dir, name, parse_model_config(name, &text)?, print)
 }
 
-/// Names of the model directories under `root` (those with a `config.pbtxt`), sorted,
-/// loaded or not.
-pub fn model_names(root: &Path) -> Vec<String> {
-    let Ok(entries) = std::fs::read_dir(root) else {
-        return Vec::new();
-    };
-    let mut names: Vec<String> = entries
-        .filter_map(|e| e.ok())
-        .filter(|e| e.path().join("config.pbtxt").is_file())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
+/// Names of the model directories in the repositories `roots` (those with a
+/// `config.pbtxt`), sorted, once each, loaded or not.
+pub fn model_names(roots: &[PathBuf]) -> Vec<String> {
+    let mut names: Vec<String> = model_dirs(roots)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(name, _)| name)
         .collect();
-    names.sort();
+    names.dedup();
     names
 }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::pb::{self, model_config::SchedulingChoice};
 use super::{LoadFailure, RepositoryError, ScanResult};
-use crate::domain::{ModelName, ModelVersion, Normalize, TimeoutAction};
+use crate::domain::{ModelName, ModelVersion, Normalize, TimeoutAction, WarmupData, WarmupSample};
 
 /// Platform of TorchScript models, as Triton names it.
 pub const PLATFORM_LIBTORCH: &str = "pytorch_libtorch";
@@ -37,6 +37,9 @@ pub struct ClassifierSpec {
     pub batching: Option<BatchingSpec>,
     /// `response_cache { enable: true }`: rows seen before are answered from the cache.
     pub response_cache: bool,
+    /// `model_warmup` samples with rows (those with `batch_size: 0` are skipped, as in
+    /// Triton), run by each instance before the model is ready.
+    pub warmup: Vec<WarmupSample>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,10 +207,26 @@ pub(crate) fn model_kind(
         }
         (PLATFORM_ENSEMBLE, "") => {
             refuse_response_cache(model, config)?;
+            if !config.model_warmup.is_empty() {
+                // Triton's rule: an ensemble's steps warm up, not the ensemble.
+                return Err(invalid(
+                    model,
+                    "model_warmup",
+                    "cannot be specified for an ensemble; put it in the classifier's config",
+                ));
+            }
             ensemble(model, config).map(ModelKind::Ensemble)
         }
         ("", BACKEND_IMAGE) => {
             refuse_response_cache(model, config)?;
+            if !config.model_warmup.is_empty() {
+                return Err(unsupported(
+                    model,
+                    "model_warmup",
+                    "remove it: the built-in preprocessor has nothing to warm up (the \
+                     classifier's model_warmup runs before it serves)",
+                ));
+            }
             preprocessor(model, config).map(ModelKind::Preprocessor)
         }
         ("", "python") => Err(unsupported(
@@ -279,13 +298,6 @@ fn reject_unsupported_common(model: &str, c: &pb::ModelConfig) -> Result<(), Rep
         .is_some_and(|a| !a.agents.is_empty())
     {
         return Err(unsupported(model, "model_repository_agents", remove));
-    }
-    if !c.model_warmup.is_empty() {
-        return Err(unsupported(
-            model,
-            "model_warmup",
-            "remove it; visiongate warms every instance up with synthetic batches before ready",
-        ));
     }
     if c.optimization.is_some() {
         return Err(unsupported(model, "optimization", remove));
@@ -425,7 +437,104 @@ fn classifier(
         instance_groups: instance_groups(model, c)?,
         batching: batching(model, c)?,
         response_cache: c.response_cache.as_ref().is_some_and(|r| r.enable),
+        warmup: warmup(dir, model, c, input)?,
     })
+}
+
+/// The `model_warmup` samples of a classifier whose one input is `input`: each names that
+/// input with the model's data type and dims and one of `zero_data`, `random_data` or
+/// `input_data_file` (a file in the model's `warmup/` directory, raw little-endian FP32,
+/// at least one row; only that row is read).
+fn warmup(
+    dir: &Path,
+    model: &str,
+    c: &pb::ModelConfig,
+    input: &pb::ModelInput,
+) -> Result<Vec<WarmupSample>, RepositoryError> {
+    use pb::model_warmup::input::InputDataType;
+    let row: usize = input.dims.iter().product::<i64>() as usize;
+    let mut samples = Vec::new();
+    for (i, w) in c.model_warmup.iter().enumerate() {
+        let field = format!("model_warmup[{i}] '{}'", w.name);
+        let bad = |message: String| invalid(model, &field, message);
+        if w.batch_size as i64 > c.max_batch_size as i64 {
+            return Err(bad(format!(
+                "batch_size {} is over max_batch_size {}",
+                w.batch_size, c.max_batch_size
+            )));
+        }
+        if let Some(other) = w.inputs.keys().find(|k| **k != input.name) {
+            return Err(bad(format!(
+                "'{other}' is not an input of the model (its input is '{}')",
+                input.name
+            )));
+        }
+        let Some(spec) = w.inputs.get(&input.name) else {
+            return Err(bad(format!("needs the model's input '{}'", input.name)));
+        };
+        if spec.data_type() != pb::DataType::TypeFp32 || spec.dims != input.dims {
+            return Err(bad(format!(
+                "input '{}' must be TYPE_FP32 with dims {:?} (the model's input, without the \
+                 batch dimension), got {:?} {:?}",
+                input.name,
+                input.dims,
+                spec.data_type(),
+                spec.dims
+            )));
+        }
+        let data = match &spec.input_data_type {
+            None => {
+                return Err(bad(format!(
+                    "input '{}' needs zero_data, random_data or input_data_file",
+                    input.name
+                )))
+            }
+            Some(InputDataType::ZeroData(_)) => WarmupData::Zero,
+            Some(InputDataType::RandomData(_)) => WarmupData::Random,
+            Some(InputDataType::InputDataFile(file)) => {
+                let field = format!("{field}.input_data_file");
+                let path = file_in(&dir.join("warmup"), model, &field, file)?;
+                let shown = Path::new(model).join("warmup").join(file);
+                let io = |source| RepositoryError::Io {
+                    path: shown.clone(),
+                    source,
+                };
+                let mut bytes = Vec::with_capacity(row * 4);
+                std::io::Read::read_to_end(
+                    &mut std::io::Read::take(
+                        std::fs::File::open(&path).map_err(io)?,
+                        (row * 4) as u64,
+                    ),
+                    &mut bytes,
+                )
+                .map_err(io)?;
+                if bytes.len() < row * 4 {
+                    return Err(bad(format!(
+                        "{} has {} bytes; one row of FP32 {:?} needs {}",
+                        shown.display(),
+                        bytes.len(),
+                        input.dims,
+                        row * 4
+                    )));
+                }
+                let values = bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                WarmupData::Row(Arc::new(values))
+            }
+        };
+        if w.batch_size > 0 {
+            samples.push(WarmupSample {
+                name: w.name.clone(),
+                batch_size: w.batch_size as usize,
+                // Triton runs a sample with count 0 once.
+                count: w.count.max(1) as usize,
+                data,
+            });
+        }
+    }
+    Ok(samples)
 }
 
 fn read_labels(
@@ -927,7 +1036,7 @@ mod tests {
     #[test]
     fn the_bundled_repository_loads_all_three_models() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("models");
-        let r = scan(&root).unwrap();
+        let r = scan(std::slice::from_ref(&root)).unwrap();
         let names: Vec<_> = r.models.iter().map(|m| m.name.to_string()).collect();
         let failures: Vec<_> = r.failures.iter().map(|f| f.error.to_string()).collect();
         assert_eq!(
@@ -981,7 +1090,7 @@ mod tests {
             "cls/1/model.pt",
             "not really torchscript; loading is the engine's job",
         );
-        let r = scan(&root).unwrap();
+        let r = scan(std::slice::from_ref(&root)).unwrap();
         assert_eq!(r.models.len(), 1, "{:?}", r.failures);
         assert_eq!(r.models[0].name.as_str(), "cls");
         let msg = r.failures[0].error.to_string();
@@ -1005,7 +1114,7 @@ mod tests {
         write(&root, "nofile/config.pbtxt", CLASSIFIER);
         write(&root, "nofile/labels.txt", "a\nb\n");
         std::fs::create_dir_all(root.join("nofile/1")).unwrap();
-        let r = scan(&root).unwrap();
+        let r = scan(std::slice::from_ref(&root)).unwrap();
         assert!(r.models.is_empty());
         let msg = |m: &str| {
             r.failures
@@ -1041,7 +1150,7 @@ mod tests {
         );
         write(&root, "m/labels.txt", "a\nb\n");
         write(&root, "m/1/model.pt", "x");
-        let mut r = scan(&root).unwrap();
+        let mut r = scan(std::slice::from_ref(&root)).unwrap();
         match r.failures.pop() {
             Some(f) => Err(f.error.to_string()),
             None => match r.models.pop().unwrap().kind {
@@ -1139,7 +1248,7 @@ mod tests {
             write(&root, &format!("two/{v}/model.pt"), "x");
             write(&root, &format!("all/{v}/model.pt"), "x");
         }
-        let r = scan(&root).unwrap();
+        let r = scan(std::slice::from_ref(&root)).unwrap();
         assert!(r.failures.is_empty(), "{:?}", r.failures);
         let versions = |m: &str| -> Vec<u64> {
             r.models
@@ -1163,7 +1272,7 @@ mod tests {
         .unwrap();
         write(&root, "ensemble_model/config.pbtxt", &ens);
         std::fs::create_dir_all(root.join("ensemble_model/1")).unwrap();
-        let r = scan(&root).unwrap();
+        let r = scan(std::slice::from_ref(&root)).unwrap();
         let msg = r.failures[0].error.to_string();
         assert!(msg.contains("no model 'preprocessor'"), "{msg}");
     }
@@ -1190,7 +1299,7 @@ mod tests {
         for m in ["p1", "p2"] {
             std::fs::create_dir_all(root.join(m).join("1")).unwrap();
         }
-        let r = scan(&root).unwrap();
+        let r = scan(std::slice::from_ref(&root)).unwrap();
         let msg = |m: &str| {
             r.failures
                 .iter()

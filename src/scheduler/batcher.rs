@@ -12,7 +12,7 @@ use super::instance::Slot;
 use super::policy::{decide, BatchPolicy, Decision};
 use super::{Admitted, Batch, JobState, ModelState, SchedulerError};
 use crate::domain::TimeoutAction;
-use crate::telemetry::{micros, Metrics};
+use crate::telemetry::{micros, Latency, Metrics};
 
 /// A job waiting in the batcher, with how many of its rows were already cut.
 struct Pending {
@@ -279,7 +279,6 @@ pub(super) async fn run_batcher(
     let mv = [labels.model.as_str(), labels.version.as_str()];
     let m = &labels.metrics;
     let pending_gauge = m.pending_requests.with_label_values(&mv);
-    let queue_us = m.queue_duration_us.with_label_values(&mv);
     let mut queue = Queue::new(policy.queues.len());
     let has_timeouts = policy.has_timeouts();
     let mut idle: VecDeque<Slot> = VecDeque::new();
@@ -318,7 +317,8 @@ pub(super) async fn run_batcher(
                 }
                 Decision::Cut(n) => {
                     let batch = queue.cut(n, !policy.merge_requests, |job| {
-                        queue_us.inc_by(micros(now - job.enqueued_at));
+                        m.latency
+                            .observe(Latency::Queue, &mv, micros(now - job.enqueued_at), 1);
                     });
                     let slot = idle.pop_front().expect("loop runs only with an idle slot");
                     if let Err(batch) = slot.batches.send(batch) {

@@ -51,6 +51,10 @@ pub(super) struct Inner {
     /// Unique per started model in this process (keys the response cache: a reload may
     /// bring new weights under the same version).
     pub generation: u64,
+    /// Each loaded instance and its device (`cpu`, `cuda:0`).
+    pub devices: Arc<std::sync::Mutex<Vec<(String, String)>>>,
+    /// Why the instances do not run where the config puts them.
+    pub fallback: Option<String>,
 }
 
 impl Inner {
@@ -119,6 +123,18 @@ impl ModelHandle {
     }
 
     /// When the last request finished (Triton's `last_inference`), in ms since the epoch.
+    /// Where each loaded instance runs, (instance, device), and why the instances are not
+    /// where the config puts them (a `KIND_GPU` group without usable GPUs).
+    pub fn placement(&self) -> (Vec<(String, String)>, Option<String>) {
+        let devices = self
+            .inner
+            .devices
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        (devices, self.inner.fallback.clone())
+    }
+
     pub fn last_inference_ms(&self) -> u64 {
         self.inner.last_inference_ms.load(Ordering::Relaxed)
     }

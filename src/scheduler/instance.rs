@@ -9,7 +9,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::{Batch, RowFormat, RowOutput, SchedulerError};
 use crate::domain::InstanceId;
 use crate::engine::{BatchInput, ComputeTimings, Engine, OutputRequest};
-use crate::telemetry::{micros, Metrics};
+use crate::telemetry::{micros, Latency, Metrics};
 
 /// An idle instance's offer: the batcher sends the next batch through it.
 pub(super) struct Slot {
@@ -171,7 +171,8 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
 }
 
 /// Triton's counters for one executed batch; compute durations count once per request in
-/// the batch, as Triton accounts them.
+/// the batch, as Triton accounts them (a request split into parts counts once), and once
+/// per execution in the opt-in histograms.
 fn record_execution(ctx: &InstanceContext, batch: &Batch, t: &ComputeTimings) {
     let m = &ctx.metrics;
     let mv = [ctx.model.as_str(), ctx.version.as_str()];
@@ -185,6 +186,14 @@ fn record_execution(ctx: &InstanceContext, batch: &Batch, t: &ComputeTimings) {
         }
     }
     let requests = requests.len() as u64;
+    tracing::debug!(
+        model = ctx.model,
+        instance = %ctx.id,
+        rows,
+        requests,
+        infer_us = micros(t.infer),
+        "batch ran"
+    );
     m.exec_count.with_label_values(&mv).inc();
     m.inference_count.with_label_values(&mv).inc_by(rows as u64);
     m.batch_size
@@ -193,13 +202,11 @@ fn record_execution(ctx: &InstanceContext, batch: &Batch, t: &ComputeTimings) {
     m.instance_executions
         .with_label_values(&[mv[0], &ctx.id.to_string()])
         .inc();
-    m.compute_input_duration_us
-        .with_label_values(&mv)
-        .inc_by(micros(t.input) * requests);
-    m.compute_infer_duration_us
-        .with_label_values(&mv)
-        .inc_by(micros(t.infer) * requests);
-    m.compute_output_duration_us
-        .with_label_values(&mv)
-        .inc_by(micros(t.output) * requests);
+    for (which, took) in [
+        (Latency::ComputeInput, t.input),
+        (Latency::ComputeInfer, t.infer),
+        (Latency::ComputeOutput, t.output),
+    ] {
+        m.latency.observe(which, &mv, micros(took), requests);
+    }
 }

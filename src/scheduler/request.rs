@@ -19,7 +19,7 @@ use crate::domain::RequestOptions;
 use crate::engine::OutputRequest;
 use crate::error::{ErrorKind, GatewayError};
 use crate::preprocess::Row;
-use crate::telemetry::{micros, reason};
+use crate::telemetry::{micros, reason, Latency};
 
 /// The fewest rows a job is submitted with while a request's rows still arrive (unless they
 /// end): small enough that the first rows start early, large enough that the per-job cost
@@ -177,9 +177,8 @@ impl ModelHandle {
         let why = match outcome {
             Outcome::Completed => {
                 m.request_success.with_label_values(&labels).inc();
-                m.request_duration_us
-                    .with_label_values(&labels)
-                    .inc_by(micros(started.elapsed()));
+                m.latency
+                    .observe(Latency::Request, &labels, micros(started.elapsed()), 1);
                 return;
             }
             Outcome::Rejected => reason::REJECTED,

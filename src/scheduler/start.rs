@@ -12,7 +12,7 @@ use super::batcher::{run_batcher, BatcherLabels};
 use super::handle::Inner;
 use super::instance::{instance_loop, Ended, InstanceContext, Slot};
 use super::{BatchPolicy, ModelHandle, ModelState, ResponseCache};
-use crate::domain::{InstanceId, ModelName, ModelVersion, Normalize};
+use crate::domain::{InstanceId, ModelName, ModelVersion, Normalize, WarmupData, WarmupSample};
 use crate::engine::{BatchInput, Engine, EngineError, OutputRequest};
 use crate::telemetry::Metrics;
 
@@ -36,6 +36,11 @@ pub struct ModelSettings {
     pub width: usize,
     /// How each instance picks the batch size it asks the batcher for.
     pub batch_size: BatchSizeChoice,
+    /// The config's `model_warmup` samples, run by each instance before it serves.
+    pub warmup: Vec<WarmupSample>,
+    /// Why the instances do not run where the config puts them (shown in metadata, a
+    /// metric and the log).
+    pub fallback: Option<String>,
     pub metrics: Arc<Metrics>,
 }
 
@@ -81,7 +86,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
     let mut threads = Vec::new();
     let stop = CancellationToken::new();
     for id in settings.instances.iter().copied() {
-        let (done_tx, done_rx) = oneshot::channel::<Result<String, String>>();
+        let (done_tx, done_rx) = oneshot::channel::<Result<(String, usize), String>>();
         loaded.push((id, done_rx));
         let factory = factory.clone();
         let model_file = settings.model_file.clone();
@@ -95,6 +100,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
             width: settings.width,
         };
         let choice = settings.batch_size.clone();
+        let samples = settings.warmup.clone();
         let (instances, stop) = (instances.clone(), stop.clone());
         let spawned = std::thread::Builder::new()
             .name(format!("{name}/{id}"))
@@ -104,6 +110,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
                     std::panic::catch_unwind(AssertUnwindSafe(|| {
                         let mut engine = factory(&model_file, id).map_err(|e| e.to_string())?;
                         let target = warm_up(engine.as_mut(), &ctx, &choice)?;
+                        run_warmup_samples(engine.as_mut(), &ctx, &samples)?;
                         Ok::<_, String>((engine, target))
                     }))
                     .unwrap_or_else(|_| Err("the engine panicked while loading".into()))
@@ -121,7 +128,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
                             match loading {
                                 Some(done) => {
                                     instances.up.fetch_add(1, Ordering::SeqCst);
-                                    let _ = done.send(Ok(format!("{device} batch {target}")));
+                                    let _ = done.send(Ok((device, target)));
                                 }
                                 None => {
                                     instances.came_up();
@@ -173,13 +180,32 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         state_rx.clone(),
         stop.clone(),
     ));
+    let devices = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let placed = devices.clone();
+    let (metrics, fallback) = (settings.metrics.clone(), settings.fallback.clone());
     tokio::spawn(async move {
         let started = Instant::now();
         let mut failures = Vec::new();
-        let mut devices = Vec::new();
+        let mut shown = Vec::new();
         for (id, rx) in loaded {
             match rx.await {
-                Ok(Ok(device)) => devices.push(format!("{id}={device}")),
+                Ok(Ok((device, batch))) => {
+                    shown.push(format!("{id}={device} batch {batch}"));
+                    metrics
+                        .instance_device
+                        .with_label_values(&[
+                            name.as_str(),
+                            version.as_str(),
+                            &id.to_string(),
+                            &device,
+                            fallback.as_deref().unwrap_or_default(),
+                        ])
+                        .set(1);
+                    placed
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push((id.to_string(), device));
+                }
                 Ok(Err(e)) => failures.push(format!("instance {id}: {e}")),
                 Err(_) => failures.push(format!("instance {id}: thread ended while loading")),
             }
@@ -187,7 +213,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         if failures.is_empty() {
             tracing::info!(
                 model = name,
-                instances = %devices.join(" "),
+                instances = %shown.join(" "),
                 secs = format!("{:.2}", started.elapsed().as_secs_f64()),
                 "model ready"
             );
@@ -208,6 +234,8 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
             last_inference_ms: Default::default(),
             retiring: Default::default(),
             retired: Default::default(),
+            devices,
+            fallback: settings.fallback,
             generation: {
                 static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
                 NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
@@ -295,12 +323,68 @@ fn stopped_within(stop: &CancellationToken, pause: Duration) -> bool {
 /// size: the pinned one, or the candidate with the lowest measured time per image. Other
 /// batch shapes are not run one by one: after the first two calls, a new shape's first run
 /// was measured within about 15% of its steady time on this model.
+/// Runs the config's `model_warmup` samples as Triton does: each `count` times, in order;
+/// the first that fails fails the instance's load, naming the sample.
+fn run_warmup_samples(
+    engine: &mut dyn Engine,
+    ctx: &InstanceContext,
+    samples: &[WarmupSample],
+) -> Result<(), String> {
+    let row = ctx.height * ctx.width * 3;
+    for sample in samples {
+        let n = sample.batch_size;
+        let mut data = match &sample.data {
+            WarmupData::Zero => vec![0.0f32; n * row],
+            WarmupData::Random => {
+                // xorshift: values in [0, 1), different for each sample and row.
+                let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ (n as u64);
+                (0..n * row)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        (x >> 40) as f32 / (1u64 << 24) as f32
+                    })
+                    .collect()
+            }
+            WarmupData::Row(values) => values.repeat(n),
+        };
+        data.truncate(n * row);
+        let t = Instant::now();
+        for _ in 0..sample.count {
+            let input = BatchInput::Tensors {
+                data: &data,
+                height: ctx.height,
+                width: ctx.width,
+            };
+            let want = OutputRequest {
+                top_k: 1,
+                logits: false,
+            };
+            engine
+                .run(input, want)
+                .map_err(|e| format!("failed to run warmup sample '{}': {e}", sample.name))?;
+        }
+        tracing::info!(
+            model = ctx.model,
+            instance = %ctx.id,
+            sample = sample.name,
+            count = sample.count,
+            batch_size = n,
+            secs = format!("{:.2}", t.elapsed().as_secs_f64()),
+            "warmup sample ran"
+        );
+    }
+    Ok(())
+}
+
 fn warm_up(
     engine: &mut dyn Engine,
     ctx: &InstanceContext,
     choice: &BatchSizeChoice,
 ) -> Result<usize, String> {
     let row = ctx.height * ctx.width * 3;
+    let gpu = engine.device_name().starts_with("cuda");
     let mut run = |n: usize| -> Result<f64, String> {
         let data = vec![128u8; n.max(1) * row];
         let input = BatchInput::Images {
@@ -328,10 +412,17 @@ fn warm_up(
     run(1)?;
     run(1)?;
     let candidates = match choice {
-        // Not run at its own size: a pinned size can be the whole upload (a batch of 1000
-        // takes minutes on a CPU), and after the calls above a new shape's first run is
-        // within about 15% of its steady time on this model.
-        BatchSizeChoice::Pinned(n) => return Ok(*n),
+        // On a CPU not run at its own size: a pinned size can be the whole upload (a batch
+        // of 1000 takes minutes there), and after the calls above a new shape's first run
+        // is within about 15% of its steady time on this model. On a GPU once: the engine
+        // pads smaller batches to a size it has run, so none of them waits for a new
+        // shape's kernels to compile (seconds there).
+        BatchSizeChoice::Pinned(n) => {
+            if gpu {
+                run(*n)?;
+            }
+            return Ok(*n);
+        }
         BatchSizeChoice::Tune(c) => c,
     };
     // One instance of the process times its candidates at a time: instances warming up

@@ -50,9 +50,9 @@ impl Registry {
         for m in models {
             let served = match &m.kind {
                 ModelKind::Classifier(spec) => {
-                    let (instances, warning) =
+                    let (instances, fallback) =
                         plan_instances(&spec.instance_groups, opts.gpu_count);
-                    if let Some(w) = warning {
+                    if let Some(w) = &fallback {
                         tracing::warn!(model = %m.name, "{w}");
                     }
                     let settings = ModelSettings {
@@ -65,6 +65,8 @@ impl Registry {
                         height: spec.height,
                         width: spec.width,
                         batch_size: batch_size_choice(spec),
+                        warmup: spec.warmup.clone(),
+                        fallback,
                         metrics: opts.metrics.clone(),
                     };
                     let handle = crate::scheduler::start_model(settings, opts.factory.clone());

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::build::link_ensembles;
+use super::restrict::{Endpoint, Restrictions};
 use super::{ModelTable, Registry};
 use crate::domain::ModelName;
 use crate::error::{ErrorKind, GatewayError};
@@ -29,13 +30,11 @@ pub enum ControlMode {
 #[derive(Debug, Clone)]
 pub struct ControlSettings {
     pub mode: ControlMode,
-    pub repository: PathBuf,
+    /// The model repositories (Triton's repeatable `--model-repository`).
+    pub repositories: Vec<PathBuf>,
     pub poll_interval: Duration,
     /// Models loaded at start-up in explicit mode (`*`: all).
     pub startup_models: Vec<String>,
-    /// Load and unload need this header with this value (Triton's restricted API);
-    /// `None` keeps them closed.
-    pub api_key: Option<(String, String)>,
 }
 
 /// A load or unload request parameter, as both transports carry them.
@@ -140,23 +139,16 @@ impl Registry {
         }
     }
 
-    /// Load and unload are open only in explicit mode and with the configured key.
-    pub fn authorize_control(
-        &self,
-        header: impl Fn(&str) -> Option<String>,
-    ) -> Result<(), GatewayError> {
-        let Some((name, key)) = &self.control.api_key else {
+    /// Load and unload are open only in explicit mode and where a key restricts them
+    /// (`restrictions` checked the key as the request entered).
+    pub fn authorize_control(&self, restrictions: &Restrictions) -> Result<(), GatewayError> {
+        if !restrictions.is_restricted(Endpoint::RepositoryControl) {
             return Err(GatewayError::new(
                 ErrorKind::Forbidden,
                 "model load and unload are disabled: start visiongate with \
-                 --repository-control-key <header>=<key> and send that header",
-            ));
-        };
-        let sent = header(name).unwrap_or_default();
-        if !same_secret(sent.as_bytes(), key.as_bytes()) {
-            return Err(GatewayError::new(
-                ErrorKind::Forbidden,
-                format!("model load and unload need the header '{name}' with the configured key"),
+                 --http-restricted-api / --grpc-restricted-protocol \
+                 model-repository:<header>=<key> (or --repository-control-key \
+                 <header>=<key>) and send that header",
             ));
         }
         if self.control.mode != ControlMode::Explicit {
@@ -175,17 +167,16 @@ impl Registry {
     /// old ones still do.
     pub async fn load_model(&self, name: &str, config: Option<String>) -> Result<(), GatewayError> {
         ModelName::check(name).map_err(GatewayError::invalid)?;
-        let root = self.control.repository.clone();
+        let roots = self.control.repositories.clone();
         let model = name.to_string();
         let scan = tokio::task::spawn_blocking(move || {
-            let mut scan = repository::scan(&root)?;
+            let mut scan = repository::scan(&roots)?;
             if let Some(json) = config {
-                let dir = root.join(&model);
-                if !dir.is_dir() {
+                let Some(dir) = repository::model_dir(&roots, &model) else {
                     return Err(GatewayError::invalid(format!(
-                        "no model directory '{model}' in the repository"
+                        "no model directory '{model}' in the repository (or in more than one)"
                     )));
-                }
+                };
                 let versions = repository::parse_model_config_json(&model, &json)
                     .and_then(|c| repository::load_model_with(&dir, &model, c))
                     .map_err(|e| GatewayError::invalid(e.to_string()))?;
@@ -309,8 +300,8 @@ impl Registry {
     /// One poll: reloads the models whose files changed, loads new ones, unloads the
     /// ones gone from the repository. Errors are logged; serving models keep serving.
     pub async fn poll_repository(&self) {
-        let root = self.control.repository.clone();
-        let scan = match tokio::task::spawn_blocking(move || repository::scan(&root)).await {
+        let roots = self.control.repositories.clone();
+        let scan = match tokio::task::spawn_blocking(move || repository::scan(&roots)).await {
             Ok(Ok(scan)) => scan,
             Ok(Err(e)) => return tracing::error!("repository poll failed: {e}"),
             Err(e) => return tracing::error!("repository poll failed: {e}"),
@@ -387,16 +378,6 @@ impl Registry {
             }
         }
     }
-}
-
-/// Compares a sent key with the configured one in time that depends only on their
-/// lengths, not on where they differ.
-fn same_secret(sent: &[u8], key: &[u8]) -> bool {
-    let differ = sent
-        .iter()
-        .zip(key)
-        .fold(0u8, |acc, (a, b)| acc | std::hint::black_box(a ^ b));
-    differ == 0 && sent.len() == key.len()
 }
 
 pub fn mode_name(mode: ControlMode) -> &'static str {
@@ -502,18 +483,4 @@ fn with_steps(scan: &ScanResult, name: &str) -> Result<Vec<RepositoryModel>, Str
         out.push(m.clone());
     }
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::same_secret;
-
-    #[test]
-    fn only_the_same_key_matches() {
-        assert!(same_secret(b"s3cret", b"s3cret"));
-        assert!(!same_secret(b"s3cres", b"s3cret"));
-        assert!(!same_secret(b"s3cre", b"s3cret"));
-        assert!(!same_secret(b"s3crett", b"s3cret"));
-        assert!(!same_secret(b"", b"s3cret"));
-    }
 }

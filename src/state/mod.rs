@@ -4,6 +4,7 @@ mod build;
 mod control;
 mod drain;
 mod registry;
+mod restrict;
 mod table;
 
 use std::sync::Arc;
@@ -12,6 +13,7 @@ pub use build::{batch_policy, batch_size_choice, plan_instances, BuildOptions};
 pub use control::{load_parameters, unload_parameters, ControlMode, ControlParam, ControlSettings};
 pub use drain::{Drain, Work};
 pub use registry::Registry;
+pub use restrict::{ApiKeys, Endpoint, Restrictions, GRPC_HEADER_PREFIX};
 pub use table::{ModelEntry, ModelTable};
 
 use crate::domain::{ModelVersion, Normalize};
@@ -116,6 +118,28 @@ impl HasKind for LookupError {
     }
 }
 
+/// What the server says of itself and whom it serves.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// The name in server metadata (Triton's `--id`).
+    pub id: String,
+    /// Readiness waits for every loaded model (Triton's `--strict-readiness`); without
+    /// it, the server is ready once it runs.
+    pub strict_readiness: bool,
+    /// Restricted endpoints per transport.
+    pub keys: ApiKeys,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            id: "visiongate".to_string(),
+            strict_readiness: true,
+            keys: ApiKeys::default(),
+        }
+    }
+}
+
 /// The state every transport shares.
 pub struct AppState {
     /// The served models and their lifecycle.
@@ -125,6 +149,7 @@ pub struct AppState {
     pub pool: PreprocessPool,
     pub limits: UploadLimits,
     pub metrics: Arc<Metrics>,
+    pub server: ServerOptions,
 }
 
 impl AppState {
@@ -138,6 +163,7 @@ impl AppState {
         limits: UploadLimits,
         decode_threads: usize,
         decode_memory: u64,
+        server: ServerOptions,
     ) -> AppState {
         let metrics = opts.metrics.clone();
         AppState {
@@ -146,11 +172,13 @@ impl AppState {
             drain: Default::default(),
             limits,
             metrics,
+            server,
         }
     }
 
-    /// Ready for traffic: every loaded model is ready and the server is not stopping.
+    /// Ready for traffic: the server is not stopping, and (with strict readiness, the
+    /// default) every loaded model is ready.
     pub fn is_ready(&self) -> bool {
-        !self.drain.is_draining() && self.registry.is_ready()
+        !self.drain.is_draining() && (!self.server.strict_readiness || self.registry.is_ready())
     }
 }

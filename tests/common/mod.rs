@@ -27,7 +27,7 @@ impl TestGateway {
             .expect("gateway starts");
         let failures = gateway.wait_ready().await;
         assert!(failures.is_empty(), "models failed to load: {failures:?}");
-        let base = format!("http://{}", gateway.http_addr);
+        let base = format!("http://{}", gateway.http_addr.expect("listening"));
         TestGateway {
             gateway: Some(gateway),
             base,
@@ -115,6 +115,21 @@ pub fn photos(dir: &str) -> Vec<(String, Vec<u8>)> {
 /// ImageNet cat classes (tabby, tiger cat, Persian, Siamese, Egyptian cat).
 pub const CAT_CLASSES: [u64; 5] = [281, 282, 283, 284, 285];
 
+/// A gateway on the fake engine with `faults`, returned as soon as it listens (models may
+/// still be loading, or have failed: the test looks).
+pub async fn start_fake_gateway(config: Config, faults: visiongate::engine::FakeFaults) -> Gateway {
+    Gateway::start(
+        config.validate().expect("test config is valid"),
+        EngineChoice::Fake {
+            num_classes: 1000,
+            latency: Duration::ZERO,
+            faults: std::sync::Arc::new(faults),
+        },
+    )
+    .await
+    .expect("gateway starts")
+}
+
 impl TestGateway {
     /// The fake engine (deterministic, `latency` per batch) on `config`'s repository.
     pub async fn start_fake(config: Config, latency: Duration) -> TestGateway {
@@ -136,7 +151,12 @@ impl TestGateway {
 
     /// GET /metrics from the metrics port.
     pub async fn metrics_text(&self) -> String {
-        let addr = self.gateway.as_ref().unwrap().metrics_addr;
+        let addr = self
+            .gateway
+            .as_ref()
+            .unwrap()
+            .metrics_addr
+            .expect("listening");
         self.client
             .get(format!("http://{addr}/metrics"))
             .send()

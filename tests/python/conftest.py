@@ -23,7 +23,9 @@ def free_port():
 
 
 class Server:
-    def __init__(self, *args):
+    def __init__(self, *args, repository=True, cwd=None):
+        """`args` follow the test's ports; `repository=False` leaves out the bundled
+        repository (the test names its own); `cwd`: where the server runs."""
         binary = os.environ.get("VISIONGATE_BIN")
         assert binary and os.path.exists(binary), "VISIONGATE_BIN must point at the built binary (make test sets it)"
         self.port = free_port()
@@ -43,9 +45,10 @@ class Server:
                 "--http-port", str(self.port),
                 "--grpc-port", str(self.grpc_port),
                 "--metrics-port", str(self.metrics_port),
-                "--model-repository", str(ROOT / "models"),
+                *(["--model-repository", str(ROOT / "models")] if repository else []),
                 *args,
             ],
+            cwd=cwd,
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )

@@ -1,19 +1,68 @@
-//! Logging (`RUST_LOG`, default `info`) and the Prometheus metrics of one gateway.
+//! Logging (the `--log-*` flags, or `RUST_LOG`) and the Prometheus metrics of one gateway.
 //!
 //! Metric names follow Triton where Triton has the metric, so existing dashboards work;
 //! visiongate's own carry the `visiongate_` prefix. Each gateway owns its registry.
+mod latency;
+mod nvml;
+mod system;
+
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
 };
 
-pub fn init() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_target(false)
-        .try_init();
+pub use latency::{Latencies, Latency, MetricsConfig};
+pub use nvml::Nvml;
+pub use system::{spawn_poller, GpuProbe, GpuSample};
+
+/// Which log lines are written (Triton's `--log-verbose`, `--log-info`, `--log-warning`,
+/// `--log-error`).
+#[derive(Debug, Clone, Copy)]
+pub struct LogLevels {
+    /// 0: no debug lines; 1: visiongate's own; 2: every library's too; 3: trace.
+    pub verbose: u32,
+    pub info: bool,
+    pub warning: bool,
+    pub error: bool,
+}
+
+impl LogLevels {
+    fn allows(&self, level: tracing::Level, target: &str) -> bool {
+        use tracing::Level;
+        match level {
+            Level::ERROR => self.error,
+            Level::WARN => self.warning,
+            Level::INFO => self.info,
+            Level::DEBUG => {
+                self.verbose >= 2 || (self.verbose == 1 && target.starts_with("visiongate"))
+            }
+            Level::TRACE => self.verbose >= 3,
+        }
+    }
+}
+
+/// Logs to stdout: as `RUST_LOG` says when it is set, else as `levels` say.
+pub fn init(levels: LogLevels) {
+    use tracing_subscriber::filter::{filter_fn, LevelFilter};
+    use tracing_subscriber::prelude::*;
+    let fmt = tracing_subscriber::fmt::layer().with_target(false);
+    let _ = match tracing_subscriber::EnvFilter::try_from_default_env() {
+        Ok(env) => tracing_subscriber::registry()
+            .with(fmt.with_filter(env))
+            .try_init(),
+        Err(_) => {
+            let most = match levels.verbose {
+                0 => LevelFilter::INFO,
+                1 | 2 => LevelFilter::DEBUG,
+                _ => LevelFilter::TRACE,
+            };
+            let filter = filter_fn(move |meta| levels.allows(*meta.level(), meta.target()))
+                .with_max_level_hint(most);
+            tracing_subscriber::registry()
+                .with(fmt.with_filter(filter))
+                .try_init()
+        }
+    };
 }
 
 /// Triton's `nv_inference_request_failure` reasons.
@@ -36,23 +85,29 @@ pub struct Metrics {
     pub inference_count: IntCounterVec,
     pub exec_count: IntCounterVec,
     pub pending_requests: IntGaugeVec,
-    pub request_duration_us: IntCounterVec,
-    pub queue_duration_us: IntCounterVec,
-    pub compute_input_duration_us: IntCounterVec,
-    pub compute_infer_duration_us: IntCounterVec,
-    pub compute_output_duration_us: IntCounterVec,
+    /// Request, queue and compute durations (counters, summaries, histograms).
+    pub latency: Latencies,
     pub cache_hits: IntCounterVec,
     pub cache_misses: IntCounterVec,
     pub batch_size: HistogramVec,
     pub instance_executions: IntCounterVec,
     pub decode_seconds: Histogram,
     pub decode_memory_bytes: IntGauge,
+    /// 1 per loaded instance: its device, and why it is not where the config puts it.
+    pub instance_device: IntGaugeVec,
+    /// CPU and GPU series, refreshed by [`spawn_poller`].
+    host: system::HostMetrics,
 }
 
 const MV: &[&str] = &["model", "version"];
 
 impl Metrics {
+    /// The default series (`--metrics-config` unset).
     pub fn new() -> Metrics {
+        Self::with_config(&MetricsConfig::default())
+    }
+
+    pub fn with_config(config: &MetricsConfig) -> Metrics {
         let registry = Registry::new();
         let counter = |name: &str, help: &str, labels: &[&str]| {
             let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
@@ -81,27 +136,7 @@ impl Metrics {
             "Number of model executions (batches) performed",
             MV,
         );
-        let request_duration_us = counter(
-            "nv_inference_request_duration_us",
-            "Cumulative inference request duration in microseconds (queue + compute)",
-            MV,
-        );
-        let queue_duration_us = counter(
-            "nv_inference_queue_duration_us",
-            "Cumulative inference queuing duration in microseconds",
-            MV,
-        );
-        let compute_input_duration_us = counter("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds (batch assembly, copy to device, normalization)", MV);
-        let compute_infer_duration_us = counter(
-            "nv_inference_compute_infer_duration_us",
-            "Cumulative compute inference duration in microseconds",
-            MV,
-        );
-        let compute_output_duration_us = counter(
-            "nv_inference_compute_output_duration_us",
-            "Cumulative compute output duration in microseconds (softmax, top-k, copy to host)",
-            MV,
-        );
+        let latency = Latencies::new(config, &registry);
         let cache_hits = counter(
             "nv_cache_num_hits_per_model",
             "Number of response cache hits per model (one per image answered from the cache)",
@@ -158,24 +193,34 @@ impl Metrics {
         registry
             .register(Box::new(decode_memory_bytes.clone()))
             .expect("unique metric");
+        let instance_device = IntGaugeVec::new(
+            Opts::new(
+                "visiongate_instance_device",
+                "1 for each loaded model instance, labelled with its device (cpu, cuda:N) and \
+                 why it is not where the config puts it (fallback; empty when it is)",
+            ),
+            &["model", "version", "instance", "device", "fallback"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(instance_device.clone()))
+            .expect("unique metric");
         Metrics {
-            registry,
+            instance_device,
             request_success,
             request_failure,
             inference_count,
             exec_count,
             pending_requests,
-            request_duration_us,
-            queue_duration_us,
-            compute_input_duration_us,
-            compute_infer_duration_us,
-            compute_output_duration_us,
+            latency,
             cache_hits,
             cache_misses,
             batch_size,
             instance_executions,
             decode_seconds,
             decode_memory_bytes,
+            host: system::HostMetrics::new(&registry),
+            registry,
         }
     }
 
@@ -186,11 +231,7 @@ impl Metrics {
         self.inference_count.with_label_values(&mv);
         self.exec_count.with_label_values(&mv);
         self.pending_requests.with_label_values(&mv);
-        self.request_duration_us.with_label_values(&mv);
-        self.queue_duration_us.with_label_values(&mv);
-        self.compute_input_duration_us.with_label_values(&mv);
-        self.compute_infer_duration_us.with_label_values(&mv);
-        self.compute_output_duration_us.with_label_values(&mv);
+        self.latency.register_model(&mv);
         self.cache_hits.with_label_values(&mv);
         self.cache_misses.with_label_values(&mv);
         for r in [
@@ -205,9 +246,14 @@ impl Metrics {
 
     /// Prometheus text exposition format.
     pub fn render(&self) -> String {
+        let mut families = self.registry.gather();
+        if self.latency.export_counters {
+            families.extend(self.latency.counter_registry.gather());
+            families.sort_by(|a, b| a.name().cmp(b.name()));
+        }
         let mut out = Vec::new();
         TextEncoder::new()
-            .encode(&self.registry.gather(), &mut out)
+            .encode(&families, &mut out)
             .expect("encoding metrics to a Vec cannot fail");
         String::from_utf8(out).expect("the text format is UTF-8")
     }

@@ -1,0 +1,735 @@
+//! Command-line flags and their validation: visiongate's own (each also an environment
+//! variable) and Triton's server arguments as `tritonserver` spells them (`triton.rs`),
+//! honoured where visiongate can and otherwise accepted with a log line.
+mod triton;
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{ArgAction, Parser};
+
+pub use triton::LogFormat;
+
+use crate::state::{
+    ApiKeys, ControlMode, ControlSettings, Endpoint, ServerOptions, GRPC_HEADER_PREFIX,
+};
+use crate::telemetry::{LogLevels, MetricsConfig};
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "visiongate",
+    version,
+    about = "Image classification gateway: /predict, Triton model repositories, libtorch"
+)]
+pub struct Config {
+    /// Model repository in Triton layout (<model>/config.pbtxt, <model>/<version>/...).
+    /// Repeat the flag for several repositories (Triton's `--model-repository`, also
+    /// `--model-store`); a model name found in more than one is not served.
+    #[arg(
+        long,
+        visible_alias = "model-store",
+        env = "VISIONGATE_MODEL_REPOSITORY",
+        default_value = "models",
+        action = ArgAction::Append
+    )]
+    pub model_repository: Vec<PathBuf>,
+
+    /// How the model set changes while running (Triton's `--model-control-mode`): `none`
+    /// loads every model at start-up and keeps them; `poll` also re-reads the repository
+    /// every `--repository-poll-secs` and reloads changed models, loads new ones and
+    /// unloads removed ones; `explicit` loads only `--load-model` models at start-up and
+    /// takes load/unload requests (which also need `--repository-control-key`).
+    #[arg(
+        long,
+        env = "VISIONGATE_MODEL_CONTROL_MODE",
+        value_enum,
+        default_value = "none"
+    )]
+    pub model_control_mode: ControlMode,
+
+    /// Seconds between repository polls in `poll` mode.
+    #[arg(long, env = "VISIONGATE_REPOSITORY_POLL_SECS", default_value_t = 15)]
+    pub repository_poll_secs: u64,
+
+    /// In `explicit` mode, a model to load at start-up (repeat the flag, or `*` for all).
+    /// As in Triton (since 2.48), it needs `--model-control-mode explicit`.
+    #[arg(
+        long = "load-model",
+        env = "VISIONGATE_LOAD_MODEL",
+        value_delimiter = ','
+    )]
+    pub load_models: Vec<String>,
+
+    /// `<header>=<key>`: load and unload requests must carry this header with this value,
+    /// over HTTP and gRPC alike (visiongate's older form of
+    /// `--http-restricted-api`/`--grpc-restricted-protocol`, for load and unload only).
+    /// Load and unload are refused (403 / PERMISSION_DENIED) unless a key restricts them.
+    #[arg(long, env = "VISIONGATE_REPOSITORY_CONTROL_KEY")]
+    pub repository_control_key: Option<String>,
+
+    /// Triton's `<api>[,<api>...]:<header>=<key>` (repeatable): HTTP requests to those
+    /// APIs need that header with that key, else 403. APIs: health, metadata, inference
+    /// (also /predict), shared-memory, model-config, model-repository (index, load,
+    /// unload), statistics, trace, logging.
+    #[arg(long, action = ArgAction::Append)]
+    pub http_restricted_api: Vec<String>,
+
+    /// The same for gRPC methods; the metadata key is `triton-grpc-protocol-<header>`
+    /// (Triton's), and a refusal is PERMISSION_DENIED (Triton: UNAVAILABLE).
+    #[arg(long, action = ArgAction::Append)]
+    pub grpc_restricted_protocol: Vec<String>,
+
+    /// Address to listen on. 0.0.0.0 serves every interface; 127.0.0.1 only this host.
+    #[arg(long, env = "VISIONGATE_HOST", default_value = "0.0.0.0")]
+    pub host: IpAddr,
+
+    /// Serve HTTP (Triton's `--allow-http`; booleans take a value: true/on/1,
+    /// false/off/0).
+    #[arg(long, value_parser = triton::boolean, default_value = "true", action = ArgAction::Set)]
+    pub allow_http: bool,
+
+    /// Serve gRPC (Triton's `--allow-grpc`).
+    #[arg(long, value_parser = triton::boolean, default_value = "true", action = ArgAction::Set)]
+    pub allow_grpc: bool,
+
+    /// Serve Prometheus metrics (Triton's `--allow-metrics`).
+    #[arg(long, value_parser = triton::boolean, default_value = "true", action = ArgAction::Set)]
+    pub allow_metrics: bool,
+
+    /// GPU series in the metrics (Triton's `--allow-gpu-metrics`; with `--allow-metrics`).
+    #[arg(long, value_parser = triton::boolean, default_value = "true", action = ArgAction::Set)]
+    pub allow_gpu_metrics: bool,
+
+    /// CPU series in the metrics (Triton's `--allow-cpu-metrics`; with `--allow-metrics`).
+    #[arg(long, value_parser = triton::boolean, default_value = "true", action = ArgAction::Set)]
+    pub allow_cpu_metrics: bool,
+
+    /// Milliseconds between refreshes of the CPU and GPU series (Triton's
+    /// `--metrics-interval-ms`).
+    #[arg(long, default_value_t = 2000)]
+    pub metrics_interval_ms: u64,
+
+    /// `--metrics-config <setting>=<value>` (repeatable, Triton's):
+    /// `summary_latencies=true` adds `*_summary_us` summaries, `summary_quantiles=
+    /// 0.5:0.05,0.9:0.01,...` sets their quantiles, `histogram_latencies=true` adds
+    /// histograms, `counter_latencies=false` drops the `*_duration_us` counters.
+    #[arg(long, action = ArgAction::Append)]
+    pub metrics_config: Vec<String>,
+
+    /// HTTP port (/predict, /v2 health). Triton's default is 8000; 0 picks a free port.
+    #[arg(long, env = "VISIONGATE_HTTP_PORT", default_value_t = 8000)]
+    pub http_port: u16,
+
+    /// gRPC port (KServe v2 `inference.GRPCInferenceService`, what `tritonclient.grpc`
+    /// calls). Triton's default is 8001; 0 picks a free port.
+    #[arg(long, env = "VISIONGATE_GRPC_PORT", default_value_t = 8001)]
+    pub grpc_port: u16,
+
+    /// Largest gRPC message in bytes, received or sent. Triton's default is 2 GiB - 1, so
+    /// a request of hundreds of images fits; lower it to bound what one call may hold.
+    #[arg(long, env = "VISIONGATE_GRPC_MAX_MESSAGE_BYTES", default_value_t = i32::MAX as usize)]
+    pub grpc_max_message_bytes: usize,
+
+    /// gRPC connections open at once; one more is closed as it is accepted.
+    #[arg(long, env = "VISIONGATE_GRPC_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub grpc_max_connections: usize,
+
+    /// Calls open at once on one gRPC connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS);
+    /// clients queue the rest themselves.
+    #[arg(
+        long,
+        env = "VISIONGATE_GRPC_MAX_CONCURRENT_STREAMS",
+        default_value_t = 256
+    )]
+    pub grpc_max_concurrent_streams: u32,
+
+    /// Milliseconds between HTTP/2 keepalive pings on a gRPC connection (Triton's
+    /// `--grpc-keepalive-time`; Triton's default is 2 hours).
+    #[arg(long, env = "VISIONGATE_GRPC_KEEPALIVE_TIME", default_value_t = 60_000)]
+    pub grpc_keepalive_time: u64,
+
+    /// Milliseconds a client has to answer a keepalive ping before its connection is
+    /// closed (Triton's `--grpc-keepalive-timeout`, same default).
+    #[arg(
+        long,
+        env = "VISIONGATE_GRPC_KEEPALIVE_TIMEOUT",
+        default_value_t = 20_000
+    )]
+    pub grpc_keepalive_timeout: u64,
+
+    /// Seconds a gRPC connection may stay with no call open before it is closed (clients
+    /// reconnect on their next call).
+    #[arg(long, env = "VISIONGATE_GRPC_IDLE_TIMEOUT_SECS", default_value_t = 300)]
+    pub grpc_idle_timeout_secs: u64,
+
+    /// Seconds from a gRPC connection's accept to its client's HTTP/2 preface.
+    #[arg(
+        long,
+        env = "VISIONGATE_GRPC_HANDSHAKE_TIMEOUT_SECS",
+        default_value_t = 10
+    )]
+    pub grpc_handshake_timeout_secs: u64,
+
+    /// Prometheus metrics port (`GET /metrics`, Triton's metric names). Triton's default
+    /// is 8002; 0 picks a free port.
+    #[arg(long, env = "VISIONGATE_METRICS_PORT", default_value_t = 8002)]
+    pub metrics_port: u16,
+
+    /// HTTP worker threads (async I/O only; decoding and inference have their own
+    /// threads; also Triton's `--http-thread-count`). 0: one per CPU core.
+    #[arg(
+        long,
+        visible_alias = "http-thread-count",
+        env = "VISIONGATE_HTTP_WORKERS",
+        default_value_t = 0
+    )]
+    pub http_workers: usize,
+
+    /// Most files in one /predict request (FastAPI's default is 1000). The first extra
+    /// part is answered with 413.
+    #[arg(long, env = "VISIONGATE_MAX_FILES", default_value_t = 1000)]
+    pub max_files: usize,
+
+    /// Largest single file in bytes. A larger file gets a `file_too_large` entry; the
+    /// other files of the request still run.
+    #[arg(long, env = "VISIONGATE_MAX_FILE_BYTES", default_value_t = 64 << 20)]
+    pub max_file_bytes: u64,
+
+    /// Largest request body in bytes (413 above it). Files are decoded while the body
+    /// streams in, so memory holds only the parts waiting for a decode thread, not this.
+    #[arg(long, env = "VISIONGATE_MAX_BODY_BYTES", default_value_t = 4 << 30)]
+    pub max_body_bytes: u64,
+
+    /// Seconds a request body (`/predict`, `/v2/.../infer`) may keep the server waiting:
+    /// a budget that runs down only while the server waits for the client's bytes and that
+    /// `--body-min-rate` refills. A body that stops arriving is answered 408
+    /// `request_timeout` and holds no queue place while it trickles.
+    #[arg(long, env = "VISIONGATE_BODY_TIMEOUT_SECS", default_value_t = 30)]
+    pub body_timeout_secs: u64,
+
+    /// Bytes per second that keep a request body's time budget full: each such amount
+    /// received gives back one second (as Apache's `mod_reqtimeout` `MinRate`). Uploads at
+    /// least this fast never time out.
+    #[arg(long, env = "VISIONGATE_BODY_MIN_RATE", default_value_t = 1024)]
+    pub body_min_rate: u64,
+
+    /// Largest image in pixels (width × height, read from the header before any pixel
+    /// buffer exists). Guards memory against decompression bombs.
+    #[arg(
+        long,
+        env = "VISIONGATE_MAX_IMAGE_PIXELS",
+        default_value_t = 100_000_000
+    )]
+    pub max_image_pixels: u64,
+
+    /// Threads that decode and resize images. 0: with a model instance on a GPU, every
+    /// core but one (the GPU needs images faster than a few cores decode them); with CPU
+    /// instances only, half the cores (at least one), so decoding does not starve the
+    /// instances it feeds. See `decode_threads`.
+    #[arg(long, env = "VISIONGATE_DECODE_THREADS", default_value_t = 0)]
+    pub decode_threads: usize,
+
+    /// Memory, in bytes, that all decode threads together may hold for decoded images. A
+    /// decode reserves what it needs (estimated from the image's header) and waits while
+    /// that is not free; an image that alone needs more is refused (`image_too_large`).
+    /// 0: a quarter of the machine's memory, or of the container's limit when lower.
+    #[arg(long, env = "VISIONGATE_DECODE_MEMORY_BYTES", default_value_t = 0)]
+    pub decode_memory_bytes: u64,
+
+    /// libtorch intra-op threads per model instance. 1 is best when there are as many CPU
+    /// instances as cores: more threads per instance spin-wait against each other. GPU
+    /// instances keep to it too, leaving the cores to decoding.
+    #[arg(long, env = "VISIONGATE_INTRA_OP_THREADS", default_value_t = 1)]
+    pub intra_op_threads: usize,
+
+    /// TF32 on NVIDIA GPUs that have it (Ampere and later): FP32 convolutions and matmuls
+    /// with a 10-bit mantissa, several times faster. `default` keeps libtorch's choice (on
+    /// for cuDNN convolutions, off for cuBLAS matmuls); `on` and `off` set both. No effect
+    /// on the CPU.
+    #[arg(long, env = "VISIONGATE_TF32", value_enum, default_value = "default")]
+    pub tf32: Tf32,
+
+    /// Requests that may wait in a model's queue when its config.pbtxt sets no
+    /// `default_queue_policy.max_queue_size`. One more is refused at once with 503.
+    #[arg(long, env = "VISIONGATE_MAX_QUEUE_SIZE", default_value_t = 256)]
+    pub max_queue_size: usize,
+
+    /// Response cache size in bytes, shared by the models whose config.pbtxt has
+    /// `response_cache { enable: true }`. An entry (one image's answer) takes about 200
+    /// bytes; least recently used leave first. Triton's `--cache-config local,size=N`
+    /// and `--response-cache-byte-size N` set it too.
+    #[arg(long, env = "VISIONGATE_CACHE_SIZE", default_value_t = 64 << 20)]
+    pub cache_size: usize,
+
+    /// Triton's `--cache-config <cache>,<setting>=<value>` (repeatable): `local,size=N`
+    /// sets the response cache's size (the only cache here).
+    #[arg(long, action = ArgAction::Append)]
+    pub cache_config: Vec<String>,
+
+    /// Triton's older `--response-cache-byte-size N`: `--cache-config local,size=N`.
+    #[arg(long)]
+    pub response_cache_byte_size: Option<u64>,
+
+    /// Overrides the preprocessor's `dct_scaling_min_side` parameter: JPEGs decode at
+    /// 1/2, 1/4 or 1/8 scale while their short side stays at or above it (0: full size).
+    /// Lower is faster on large photos; higher is closer to a full-size decode.
+    #[arg(long, env = "VISIONGATE_DCT_SCALING_MIN_SIDE")]
+    pub dct_scaling_min_side: Option<u32>,
+
+    /// Seconds a stopping server (SIGTERM or SIGINT) gives the requests it has already
+    /// taken (Triton's `--exit-timeout-secs`). From the signal on, readiness answers 503
+    /// and new inference requests get 503 `shutting_down`; once the requests under way are
+    /// answered, or this time is up, the listeners close and open gRPC streams end. The
+    /// process exits at most a few seconds later; a second signal exits at once. Keep the
+    /// orchestrator's grace period longer (docker compose: 90 s, Kubernetes: 120 s here).
+    #[arg(long, env = "VISIONGATE_EXIT_TIMEOUT_SECS", default_value_t = 60)]
+    pub exit_timeout_secs: u64,
+
+    /// Exit (status 1) when a model fails to load at start-up (Triton's
+    /// `--exit-on-error`); `false` serves the others and lists the failure.
+    #[arg(long, value_parser = triton::boolean, default_value = "true", action = ArgAction::Set)]
+    pub exit_on_error: bool,
+
+    /// Readiness (`/v2/health/ready`, `ServerReady`) waits for every loaded model
+    /// (Triton's `--strict-readiness`); `false`: ready once the server runs.
+    #[arg(long, value_parser = triton::boolean, default_value = "true", action = ArgAction::Set)]
+    pub strict_readiness: bool,
+
+    /// The server's name in server metadata (Triton's `--id`).
+    #[arg(long, default_value = "visiongate")]
+    pub id: String,
+
+    /// Debug logging (Triton's `--log-verbose`): 1 adds visiongate's own debug lines, 2
+    /// every library's. `RUST_LOG`, when set, decides instead of the `--log-*` flags.
+    #[arg(long, value_parser = triton::verbosity, default_value = "0")]
+    pub log_verbose: u32,
+
+    /// Information lines (Triton's `--log-info`).
+    #[arg(long, value_parser = triton::boolean, default_value = "true", action = ArgAction::Set)]
+    pub log_info: bool,
+
+    /// Warning lines (Triton's `--log-warning`).
+    #[arg(long, value_parser = triton::boolean, default_value = "true", action = ArgAction::Set)]
+    pub log_warning: bool,
+
+    /// Error lines (Triton's `--log-error`).
+    #[arg(long, value_parser = triton::boolean, default_value = "true", action = ArgAction::Set)]
+    pub log_error: bool,
+
+    /// Triton's `--log-format`: `ISO8601` is visiongate's format (each line starts with an
+    /// ISO 8601 UTC time); `default`, Triton's glog-style lines, is accepted and keeps it.
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormat>,
+
+    /// Triton's; accepted, no effect: visiongate needs every model's config.pbtxt and
+    /// completes nothing from the model file.
+    #[arg(long, value_parser = triton::boolean, action = ArgAction::Set)]
+    pub strict_model_config: Option<bool>,
+
+    /// Triton's; accepted, no effect (see `--strict-model-config`).
+    #[arg(long)]
+    pub disable_auto_complete_config: bool,
+
+    /// Triton's `[<backend>,]<setting>=<value>` (repeatable); accepted, no effect: the
+    /// one backend is built in.
+    #[arg(long, value_parser = triton::backend_setting, action = ArgAction::Append)]
+    pub backend_config: Vec<String>,
+
+    /// Triton's; accepted, no effect (libtorch allocates its own host memory).
+    #[arg(long)]
+    pub pinned_memory_pool_byte_size: Option<i64>,
+
+    /// Triton's `<gpu>:<bytes>` (repeatable); accepted, no effect (libtorch's CUDA
+    /// caching allocator manages GPU memory).
+    #[arg(long, value_parser = triton::gpu_bytes, action = ArgAction::Append)]
+    pub cuda_memory_pool_byte_size: Vec<String>,
+
+    /// Triton's; accepted, no effect (a GPU libtorch cannot run on is reported by its
+    /// model's load).
+    #[arg(long)]
+    pub min_supported_compute_capability: Option<f64>,
+}
+
+/// `--tf32`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Tf32 {
+    Default,
+    On,
+    Off,
+}
+
+/// The memory this process may use: the machine's, or its container's limit (cgroup v2,
+/// else v1) when lower. 4 GiB when neither can be read.
+fn memory_limit() -> u64 {
+    let read =
+        |path: &str| -> Option<u64> { std::fs::read_to_string(path).ok()?.trim().parse().ok() };
+    let machine = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            let kib = text.lines().find_map(|l| l.strip_prefix("MemTotal:"))?;
+            kib.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+                .map(|k| k * 1024)
+        });
+    // "max" (no limit) does not parse and v1's "no limit" is a huge number: both are
+    // passed over by `min`.
+    [
+        machine,
+        read("/sys/fs/cgroup/memory.max"),
+        read("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+    ]
+    .into_iter()
+    .flatten()
+    .min()
+    .unwrap_or(4 << 30)
+}
+
+/// The default decode threads on `cores` cores: every core but one when a model instance
+/// runs on a GPU (the GPU's forward pass needs little CPU, so decoding is the limit),
+/// half of them with CPU instances only (the instances need the other half).
+pub fn decode_threads(cores: usize, gpu_instances: bool) -> usize {
+    if gpu_instances {
+        cores.saturating_sub(1).max(1)
+    } else {
+        (cores / 2).max(1)
+    }
+}
+
+/// Validated settings, passed down as one struct.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub config: Config,
+    /// `--decode-threads`, `None` for the default (which depends on where the model
+    /// instances run: `decode_threads`).
+    pub decode_threads: Option<usize>,
+    /// Bytes of decoded images all decode threads together may hold.
+    pub decode_memory: u64,
+    pub http_workers: usize,
+    /// How long a stopping server lets the requests under way finish.
+    pub exit_timeout: Duration,
+    pub control: ControlSettings,
+    /// Response cache bytes (`--cache-size`, or Triton's cache flags when given).
+    pub cache_size: usize,
+    pub metrics: MetricsConfig,
+    pub server: ServerOptions,
+}
+
+impl Config {
+    /// What the `--log-*` flags let through.
+    pub fn log_levels(&self) -> LogLevels {
+        LogLevels {
+            verbose: self.log_verbose,
+            info: self.log_info,
+            warning: self.log_warning,
+            error: self.log_error,
+        }
+    }
+
+    /// Checks every flag and derives the settings; logs the Triton arguments that have no
+    /// effect here (call after `telemetry::init`).
+    pub fn validate(mut self) -> Result<Settings, String> {
+        let mut repositories: Vec<PathBuf> = Vec::new();
+        for repository in &self.model_repository {
+            if !repository.is_dir() {
+                return Err(format!(
+                    "--model-repository {} is not a directory",
+                    repository.display()
+                ));
+            }
+            // Named twice (even by two spellings) is one repository, as in Triton.
+            let same = |a: &PathBuf| a.canonicalize().ok() == repository.canonicalize().ok();
+            if !repositories.iter().any(same) {
+                repositories.push(repository.clone());
+            }
+        }
+        self.model_repository = repositories;
+        if !self.load_models.is_empty() && self.model_control_mode != ControlMode::Explicit {
+            return Err("--load-model needs --model-control-mode=explicit as well".into());
+        }
+        if self.max_files == 0
+            || self.intra_op_threads == 0
+            || self.max_queue_size == 0
+            || self.body_timeout_secs == 0
+            || self.body_min_rate == 0
+            || self.grpc_max_connections == 0
+            || self.grpc_max_concurrent_streams == 0
+            || self.grpc_keepalive_time == 0
+            || self.grpc_keepalive_timeout == 0
+            || self.grpc_idle_timeout_secs == 0
+            || self.grpc_handshake_timeout_secs == 0
+            || self.metrics_interval_ms == 0
+        {
+            return Err("--max-files, --intra-op-threads, --max-queue-size, \
+                 --body-timeout-secs, --body-min-rate and the --grpc-* limits and timeouts \
+                 must be at least 1 (and --metrics-interval-ms)"
+                .into());
+        }
+        const DAY_SECS: u64 = 86_400;
+        if self.body_timeout_secs > DAY_SECS
+            || self.exit_timeout_secs > DAY_SECS
+            || self.grpc_idle_timeout_secs > DAY_SECS
+            || self.grpc_handshake_timeout_secs > DAY_SECS
+            || self.grpc_keepalive_time > DAY_SECS * 1000
+            || self.grpc_keepalive_timeout > DAY_SECS * 1000
+        {
+            return Err("timeouts and intervals must be at most a day".into());
+        }
+        let mut keys = ApiKeys::default();
+        for group in &self.http_restricted_api {
+            keys.http
+                .add_group(group, "")
+                .map_err(|e| format!("--http-restricted-api {e}"))?;
+        }
+        for group in &self.grpc_restricted_protocol {
+            keys.grpc
+                .add_group(group, GRPC_HEADER_PREFIX)
+                .map_err(|e| format!("--grpc-restricted-protocol {e}"))?;
+        }
+        if let Some(v) = &self.repository_control_key {
+            let (header, key) = v
+                .split_once('=')
+                .filter(|(h, k)| !h.trim().is_empty() && !k.is_empty())
+                .ok_or(
+                    "--repository-control-key must be <header>=<key>, e.g. x-admin-key=secret",
+                )?;
+            for restrictions in [&mut keys.http, &mut keys.grpc] {
+                restrictions
+                    .add(
+                        &[Endpoint::RepositoryControl],
+                        header,
+                        key,
+                        "model load/unload (--repository-control-key)",
+                    )
+                    .map_err(|e| format!("--repository-control-key: {e}"))?;
+            }
+        }
+        let cache_size = triton::cache_size(&self.cache_config, self.response_cache_byte_size)?
+            .unwrap_or(self.cache_size);
+        let metrics = triton::metrics_config(&self.metrics_config)?;
+        self.log_ignored(&metrics);
+        if self.repository_poll_secs == 0 {
+            return Err("--repository-poll-secs must be at least 1".into());
+        }
+        let control = ControlSettings {
+            mode: self.model_control_mode,
+            repositories: self.model_repository.clone(),
+            poll_interval: Duration::from_secs(self.repository_poll_secs),
+            startup_models: self.load_models.clone(),
+        };
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Ok(Settings {
+            decode_threads: (self.decode_threads > 0).then_some(self.decode_threads),
+            decode_memory: if self.decode_memory_bytes == 0 {
+                memory_limit() / 4
+            } else {
+                self.decode_memory_bytes
+            },
+            http_workers: if self.http_workers == 0 {
+                cores
+            } else {
+                self.http_workers
+            },
+            exit_timeout: Duration::from_secs(self.exit_timeout_secs),
+            control,
+            cache_size,
+            metrics,
+            server: ServerOptions {
+                id: self.id.clone(),
+                strict_readiness: self.strict_readiness,
+                keys,
+            },
+            config: self,
+        })
+    }
+
+    /// One log line for each Triton argument given that has no effect here.
+    fn log_ignored(&self, metrics: &MetricsConfig) {
+        let mut ignored: Vec<(&str, &str)> = Vec::new();
+        if self.strict_model_config.is_some() || self.disable_auto_complete_config {
+            ignored.push((
+                "--strict-model-config / --disable-auto-complete-config",
+                "every model needs its config.pbtxt; nothing is completed from the model file",
+            ));
+        }
+        if self.log_format == Some(LogFormat::Default) {
+            ignored.push((
+                "--log-format=default",
+                "log lines keep visiongate's format, which starts with an ISO 8601 time",
+            ));
+        }
+        if !self.backend_config.is_empty() {
+            ignored.push(("--backend-config", "the one backend (libtorch) is built in"));
+        }
+        if self.pinned_memory_pool_byte_size.is_some() {
+            ignored.push((
+                "--pinned-memory-pool-byte-size",
+                "libtorch allocates its own host memory",
+            ));
+        }
+        if !self.cuda_memory_pool_byte_size.is_empty() {
+            ignored.push((
+                "--cuda-memory-pool-byte-size",
+                "libtorch's CUDA caching allocator manages GPU memory",
+            ));
+        }
+        if self.min_supported_compute_capability.is_some() {
+            ignored.push((
+                "--min-supported-compute-capability",
+                "a GPU libtorch cannot use fails its model's load with the reason",
+            ));
+        }
+        for (flag, why) in ignored {
+            tracing::info!("{flag}: accepted, no effect in visiongate ({why})");
+        }
+        for setting in &metrics.unknown {
+            tracing::warn!("--metrics-config {setting}: unknown setting, ignored");
+        }
+    }
+
+    /// Defaults for tests: the bundled repository, loopback, a free port.
+    pub fn for_tests() -> Config {
+        let mut c = Config::parse_from(["visiongate"]);
+        c.model_repository = vec![PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models")];
+        c.host = IpAddr::from([127, 0, 0, 1]);
+        c.http_port = 0;
+        c.grpc_port = 0;
+        c.metrics_port = 0;
+        c.http_workers = 2;
+        c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Config, String> {
+        Config::try_parse_from(std::iter::once("tritonserver").chain(args.iter().copied()))
+            .map_err(|e| e.to_string())
+    }
+
+    fn models() -> String {
+        format!("{}/models", env!("CARGO_MANIFEST_DIR"))
+    }
+
+    #[test]
+    fn decode_threads_follow_where_the_instances_run() {
+        for (cores, gpu, want) in [
+            (1, false, 1),
+            (2, false, 1),
+            (16, false, 8),
+            (1, true, 1),
+            (2, true, 1),
+            (16, true, 15),
+            (64, true, 63),
+        ] {
+            assert_eq!(decode_threads(cores, gpu), want, "{cores} cores, GPU {gpu}");
+        }
+    }
+
+    #[test]
+    fn tritons_manifest_lines_parse_in_both_spellings() {
+        let c = parse(&[
+            "--model-repository=models",
+            "--strict-model-config=false",
+            "--log-verbose=1",
+        ])
+        .unwrap();
+        assert_eq!(c.model_repository, [PathBuf::from("models")]);
+        assert_eq!((c.strict_model_config, c.log_verbose), (Some(false), 1));
+
+        let c = parse(&[
+            "--model-control-mode",
+            "poll",
+            "--repository-poll-secs",
+            "30",
+            "--model-store",
+            "a",
+            "--model-repository",
+            "b",
+            "--allow-grpc",
+            "OFF",
+            "--http-thread-count",
+            "3",
+            "--disable-auto-complete-config",
+            "--log-format",
+            "ISO8601",
+        ])
+        .unwrap();
+        assert_eq!(c.model_control_mode, ControlMode::Poll);
+        assert_eq!(c.repository_poll_secs, 30);
+        assert_eq!(c.model_repository, [PathBuf::from("a"), PathBuf::from("b")]);
+        assert!(!c.allow_grpc && c.allow_http && c.disable_auto_complete_config);
+        assert_eq!(c.http_workers, 3);
+        assert_eq!(c.log_format, Some(LogFormat::Iso8601));
+
+        // A boolean flag needs its value, as in Triton.
+        assert!(parse(&["--allow-http"]).is_err());
+        assert!(parse(&["--exit-on-error=maybe"]).is_err());
+        assert!(parse(&["--no-such-flag=1"]).is_err());
+    }
+
+    #[test]
+    fn validation_derives_what_the_flags_mean() {
+        let m = models();
+        let s = parse(&[
+            &format!("--model-repository={m}"),
+            &format!("--model-repository={m}/"),
+            "--response-cache-byte-size=4096",
+            "--id=edge-1",
+            "--strict-readiness=0",
+            "--http-restricted-api=model-repository:k=v",
+        ])
+        .unwrap()
+        .validate()
+        .unwrap();
+        // One repository named twice is one.
+        assert_eq!(s.control.repositories.len(), 1);
+        assert_eq!(s.cache_size, 4096);
+        assert_eq!(s.server.id, "edge-1");
+        assert!(!s.server.strict_readiness);
+        assert!(s.server.keys.http.is_restricted(Endpoint::RepositoryIndex));
+        assert!(!s.server.keys.grpc.is_restricted(Endpoint::RepositoryIndex));
+
+        let legacy = parse(&[
+            &format!("--model-repository={m}"),
+            "--repository-control-key=h=k",
+        ])
+        .unwrap()
+        .validate()
+        .unwrap();
+        for keys in [&legacy.server.keys.http, &legacy.server.keys.grpc] {
+            assert!(keys.is_restricted(Endpoint::RepositoryControl));
+            assert!(!keys.is_restricted(Endpoint::RepositoryIndex));
+        }
+
+        for (args, says) in [
+            (
+                vec!["--load-model=classifier"],
+                "--model-control-mode=explicit",
+            ),
+            (
+                vec![
+                    "--repository-control-key=h=k",
+                    "--http-restricted-api=model-repository:h=k",
+                ],
+                "restricted twice",
+            ),
+            (vec!["--repository-control-key=nokey"], "<header>=<key>"),
+            (
+                vec!["--metrics-config=summary_latencies"],
+                "<setting>=<value>",
+            ),
+        ] {
+            let mut all = vec![format!("--model-repository={m}")];
+            all.extend(args.iter().map(|a| a.to_string()));
+            let all: Vec<&str> = all.iter().map(String::as_str).collect();
+            let err = parse(&all).unwrap().validate().unwrap_err();
+            assert!(err.contains(says), "{args:?}: {err}");
+        }
+    }
+}

@@ -1,0 +1,140 @@
+"""Triton's server arguments, as Kubernetes manifests for `tritonserver` pass them, start
+and serve the real binary; the ones visiongate cannot honour are accepted with a log line,
+and malformed or unknown ones fail before anything starts."""
+
+import os
+import subprocess
+
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import ROOT, Server
+
+
+def top1(base, photo, headers=None):
+    with open(photo, "rb") as f:
+        r = requests.post(base + "/predict", files=[("files", (photo.name, f))], headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["results"][0]["top_k"][0]["label"]
+
+
+def run_binary(*args, cwd=ROOT, timeout=60):
+    """Runs the binary to its exit: (exit status, output)."""
+    p = subprocess.run([os.environ["VISIONGATE_BIN"], *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_a_manifest_with_strict_model_config_and_log_verbose_serves(server, all_photos):
+    photo = all_photos[0]
+    # Exactly the manifest's arguments (a relative repository, as in a container's working
+    # directory), only the ports are the test's.
+    s = Server("--model-repository=models", "--strict-model-config=false", "--log-verbose=1", repository=False, cwd=ROOT)
+    try:
+        assert top1(s.base, photo) == top1(server.base, photo)
+        log = s.log_path.read_text()
+        assert "--strict-model-config / --disable-auto-complete-config: accepted, no effect" in log
+        assert "DEBUG" in log and "batch ran" in log  # --log-verbose=1: visiongate's debug lines
+    finally:
+        s.stop()
+
+
+def test_poll_mode_manifest_serves_with_tritons_other_arguments(server, all_photos, tmp_path):
+    # Two repositories: the classifier in one, the preprocessor and the ensemble in another.
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    (one / "classifier").symlink_to(ROOT / "models" / "classifier")
+    for m in ("preprocessor", "ensemble_model"):
+        (two / m).symlink_to(ROOT / "models" / m)
+    s = Server(
+        "--model-control-mode=poll", "--repository-poll-secs=30",
+        f"--model-repository={one}", "--model-store", str(two),
+        "--id=triton-prod", "--http-thread-count=2", "--exit-timeout-secs=10",
+        "--allow-gpu-metrics=false", "--log-info=true", "--log-format=ISO8601",
+        "--cache-config=local,size=1048576", "--backend-config=pytorch,enable-nvfuser=false",
+        "--pinned-memory-pool-byte-size=268435456", "--cuda-memory-pool-byte-size=0:67108864",
+        "--min-supported-compute-capability=7.0", "--strict-readiness=true",
+        "--http-restricted-api=model-repository,statistics:admin-key=s3cret",
+        "--grpc-restricted-protocol=inference:infer-key=t0ken",
+        repository=False,
+    )
+    try:
+        photo = all_photos[0]
+        assert top1(s.base, photo) == top1(server.base, photo)
+        assert requests.get(s.base + "/v2", timeout=10).json()["name"] == "triton-prod"
+        log = s.log_path.read_text()
+        for flag in ("--backend-config", "--pinned-memory-pool-byte-size", "--cuda-memory-pool-byte-size",
+                     "--min-supported-compute-capability"):
+            assert f"{flag}: accepted, no effect" in log, flag
+
+        # HTTP: the restricted groups answer 403 with a JSON body naming the header.
+        for path in ("/v2/models/stats", "/v2/models/classifier/stats"):
+            r = requests.get(s.base + path, timeout=10)
+            assert r.status_code == 403 and "admin-key" in r.json()["error"], (path, r.text)
+            r = requests.get(s.base + path, headers={"Admin-Key": "s3cret"}, timeout=10)
+            assert r.status_code == 200, (path, r.text)
+        r = requests.post(s.base + "/v2/repository/index", json={}, timeout=10)
+        assert r.status_code == 403
+        h = httpclient.InferenceServerClient(s.http_url)
+        assert {m["name"] for m in h.get_model_repository_index(headers={"admin-key": "s3cret"})} == {
+            "classifier", "ensemble_model", "preprocessor"}
+        # Not restricted over HTTP: inference.
+        assert h.is_server_ready()
+
+        # gRPC: inference needs Triton's prefixed metadata key; the rest is open.
+        g = grpcclient.InferenceServerClient(s.grpc_url)
+        assert g.is_server_ready() and g.get_server_metadata().name == "triton-prod"
+        with open(photo, "rb") as f:
+            data = f.read()
+        import numpy as np
+
+        batch = np.frombuffer(data, dtype=np.uint8).reshape(1, -1)
+        inp = grpcclient.InferInput("RAW_IMAGE", list(batch.shape), "UINT8")
+        inp.set_data_from_numpy(batch)
+        with pytest.raises(InferenceServerException) as e:
+            g.infer("ensemble_model", [inp], headers={"infer-key": "t0ken"})
+        assert "triton-grpc-protocol-infer-key" in e.value.message()
+        out = g.infer("ensemble_model", [inp], headers={"triton-grpc-protocol-infer-key": "t0ken"})
+        assert out.as_numpy("output__0").shape == (1, 1000)
+    finally:
+        s.stop()
+
+
+def test_a_model_that_fails_at_start_up_exits_unless_told_otherwise(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "broken").mkdir(parents=True)
+    (repo / "broken" / "config.pbtxt").write_text('backend: "pytorch"\nmax_batch_size: "many"\n')
+    code, out = run_binary(f"--model-repository={repo}", "--http-port=0", "--grpc-port=0", "--metrics-port=0",
+                           "--host=127.0.0.1")
+    assert code == 1, out
+    assert "broken" in out and "--exit-on-error=false" in out
+    s = Server(f"--model-repository={repo}", "--exit-on-error=false", repository=False)
+    try:
+        assert requests.get(s.base + "/v2/health/live", timeout=10).json() == {"live": True}
+        index = requests.post(s.base + "/v2/repository/index", json={}, timeout=10).json()
+        assert [(m["name"], m["state"]) for m in index] == [("broken", "UNAVAILABLE")]
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--no-such-flag"], "--no-such-flag"),
+        (["--allow-http", "--log-verbose=1"], "--allow-http"),
+        (["--allow-grpc=yes"], "invalid value for bool option"),
+        (["--load-model=ensemble_model"], "--model-control-mode=explicit"),
+        (["--http-restricted-api=everything:k=v"], "unknown restricted api 'everything'"),
+        (["--grpc-restricted-protocol=inference"], "<api>[,<api>...]:<header>=<key>"),
+        (["--cache-config=redis,host=localhost"], "'local' cache only"),
+        (["--cache-config=local,size=1", "--response-cache-byte-size=1"], "both given"),
+        (["--log-format=json"], "--log-format"),
+        (["--model-repository=no/such/dir"], "is not a directory"),
+    ],
+)
+def test_bad_arguments_fail_before_anything_starts(args, says):
+    code, out = run_binary(*args, "--http-port=0", "--grpc-port=0", "--metrics-port=0", timeout=30)
+    assert code != 0 and says in out, out
