@@ -80,6 +80,7 @@ fn decode(files: &[Vec<u8>], threads: usize, min_side: u32, rounds: usize) -> f6
         height: 224,
         dct_scaling_min_side: min_side,
         max_pixels: 100_000_000,
+        filter: Default::default(),
     };
     let t = Instant::now();
     std::thread::scope(|s| {

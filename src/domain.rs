@@ -140,3 +140,16 @@ pub enum WarmupData {
     /// repeated for each row of the batch.
     Row(std::sync::Arc<Vec<f32>>),
 }
+
+/// How the built-in preprocessor resamples an image to the model's size (its
+/// `resize_filter` parameter), named for the library whose pixels it matches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ResizeFilter {
+    /// Antialiased bilinear, as Pillow and torchvision's `Resize` (the default).
+    #[default]
+    Bilinear,
+    /// Area averaging, as OpenCV's `INTER_AREA` when shrinking.
+    Area,
+    /// Bilinear interpolation without antialiasing, as OpenCV's `INTER_LINEAR`.
+    Linear,
+}

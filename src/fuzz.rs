@@ -31,6 +31,7 @@ pub fn decode(data: &[u8]) {
         height: 224,
         dct_scaling_min_side: 224,
         max_pixels: 16_000_000,
+        filter: Default::default(),
     };
     let budget = DecodeBudget::new(256 << 20, None);
     let mut row = vec![0u8; settings.row_len()];

@@ -92,6 +92,7 @@ fn peak_and_reserved(bytes: &[u8]) -> (u64, u64) {
         height: 224,
         dct_scaling_min_side: 224,
         max_pixels: 1 << 26,
+        filter: Default::default(),
     };
     let mut out = vec![0u8; settings.row_len()];
     let reserved = match decode_into(bytes, &settings, &DecodeBudget::new(1, None), &mut out) {

@@ -19,6 +19,7 @@ use fast_image_resize::{
 use image::{ImageDecoder, ImageFormat};
 use turbojpeg::{Colorspace, Decompressor, PixelFormat, ScalingFactor};
 
+use crate::domain::ResizeFilter;
 use crate::error::{ErrorKind, HasKind};
 
 pub use budget::DecodeBudget;
@@ -36,6 +37,8 @@ pub struct PreprocessSettings {
     pub dct_scaling_min_side: u32,
     /// Largest accepted image, in pixels (width × height from the header).
     pub max_pixels: u64,
+    /// How the image is resampled to `width` x `height`.
+    pub filter: ResizeFilter,
 }
 
 impl PreprocessSettings {
@@ -387,7 +390,8 @@ fn webp_working_bytes(bytes: &[u8], pixels: u64, has_alpha: bool) -> u64 {
     }
 }
 
-/// Resizes (antialiased bilinear, as Pillow/torchvision) and applies the EXIF orientation.
+/// Resizes (by default antialiased bilinear, as Pillow/torchvision; `settings.filter`) and
+/// applies the EXIF orientation.
 /// Orientation is applied after resizing, on the small image: with a stretch resize the two
 /// orders give the same pixels, and this one moves 50-1000x fewer of them.
 fn resize_oriented(
@@ -404,7 +408,12 @@ fn resize_oriented(
     };
     let src_img = FrImage::from_vec_u8(src.width, src.height, src.pixels, PixelType::U8x3)
         .map_err(|e| PreprocessError::Invalid(format!("decoded buffer: {e}")))?;
-    let options = ResizeOptions::new().resize_alg(ResizeAlg::Convolution(fr::FilterType::Bilinear));
+    let alg = match settings.filter {
+        ResizeFilter::Bilinear => ResizeAlg::Convolution(fr::FilterType::Bilinear),
+        ResizeFilter::Area => ResizeAlg::Convolution(fr::FilterType::Box),
+        ResizeFilter::Linear => ResizeAlg::Interpolation(fr::FilterType::Bilinear),
+    };
+    let options = ResizeOptions::new().resize_alg(alg);
     let mut resizer = fr::Resizer::new();
     if orientation <= 1 || orientation > 8 {
         let mut dst = FrImage::from_slice_u8(tw, th, out, PixelType::U8x3)
@@ -431,6 +440,7 @@ mod tests {
             height: 224,
             dct_scaling_min_side: 224,
             max_pixels: 100_000_000,
+            filter: Default::default(),
         }
     }
 
@@ -603,6 +613,7 @@ mod tests {
     fn pixel_limit_is_checked_from_the_header() {
         let small = PreprocessSettings {
             max_pixels: 1000,
+            filter: Default::default(),
             ..settings()
         };
         let png = encode(
@@ -692,5 +703,43 @@ mod tests {
         let bottom = pixel(&out, 112, 200);
         assert!(top[0] > 200 && top[2] < 50, "top {top:?}");
         assert!(bottom[2] > 200 && bottom[0] < 50, "bottom {bottom:?}");
+    }
+
+    #[test]
+    fn each_resize_filter_resamples_its_own_way() {
+        // A 1-pixel checkerboard, 500 x 500: area averaging and antialiased bilinear give
+        // mid-grey; interpolation without antialiasing samples the pattern.
+        let (w, h) = (500u32, 500u32);
+        let pixels: Vec<u8> = (0..w * h)
+            .flat_map(|i| {
+                let v = if (i % w + i / w) % 2 == 0 { 255 } else { 0 };
+                [v, v, v]
+            })
+            .collect();
+        let png = encode(
+            image::DynamicImage::ImageRgb8(
+                image::RgbImage::from_raw(w, h, pixels).expect("w x h x 3 bytes"),
+            ),
+            ImageFormat::Png,
+        );
+        let resize = |filter| {
+            let settings = PreprocessSettings {
+                filter,
+                ..settings()
+            };
+            let mut out = vec![0u8; settings.row_len()];
+            decode_into(&png, &settings, &DecodeBudget::unlimited(), &mut out).unwrap();
+            out
+        };
+        let spread = |v: &[u8]| v.iter().map(|&p| (p as i32 - 128).abs()).max().unwrap();
+        let (area, bilinear, linear) = (
+            spread(&resize(ResizeFilter::Area)),
+            spread(&resize(ResizeFilter::Bilinear)),
+            spread(&resize(ResizeFilter::Linear)),
+        );
+        assert!(
+            area <= 32 && bilinear <= 8 && linear > 100,
+            "{area} {bilinear} {linear}"
+        );
     }
 }

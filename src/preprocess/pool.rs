@@ -214,6 +214,7 @@ mod tests {
             height: 8,
             dct_scaling_min_side: 0,
             max_pixels: 1 << 24,
+            filter: Default::default(),
         })
     }
 

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use super::pb::{self, model_config::SchedulingChoice};
 use super::{LoadFailure, RepositoryError, ScanResult};
-use crate::domain::{ModelName, ModelVersion, Normalize, TimeoutAction, WarmupData, WarmupSample};
+use crate::domain::{
+    ModelName, ModelVersion, Normalize, ResizeFilter, TimeoutAction, WarmupData, WarmupSample,
+};
 
 /// Platform of TorchScript models, as Triton names it.
 pub const PLATFORM_LIBTORCH: &str = "pytorch_libtorch";
@@ -95,6 +97,7 @@ pub struct PreprocessorSpec {
     pub width: u32,
     pub height: u32,
     pub resize: ResizeMode,
+    pub filter: ResizeFilter,
     pub normalize: Normalize,
     /// JPEG DCT-domain scaling keeps the scaled short side at or above this; 0 = off.
     pub dct_scaling_min_side: u32,
@@ -828,6 +831,21 @@ fn preprocessor(model: &str, c: &pb::ModelConfig) -> Result<PreprocessorSpec, Re
             ))
         }
     };
+    let filter = match param("resize_filter").unwrap_or("bilinear") {
+        "bilinear" => ResizeFilter::Bilinear,
+        "area" => ResizeFilter::Area,
+        "linear" => ResizeFilter::Linear,
+        other => {
+            return Err(invalid(
+                model,
+                "parameters[resize_filter]",
+                format!(
+                    "'{other}' is not a filter: bilinear (antialiased, as Pillow and \
+                     torchvision), area (OpenCV's INTER_AREA) or linear (OpenCV's INTER_LINEAR)"
+                ),
+            ))
+        }
+    };
     let normalize = Normalize {
         mean: triple("mean", 0.0)?,
         std: triple("std", 1.0)?,
@@ -860,6 +878,7 @@ fn preprocessor(model: &str, c: &pb::ModelConfig) -> Result<PreprocessorSpec, Re
         width,
         height,
         resize,
+        filter,
         normalize,
         dct_scaling_min_side: dct,
     })
@@ -1296,7 +1315,15 @@ mod tests {
             &pre.replace("\"stretch\"", "\"letterbox\"")
                 .replace("name: \"preprocessor\"", ""),
         );
-        for m in ["p1", "p2"] {
+        let filter = |f: &str| {
+            let line = format!(
+                "parameters {{ key: \"resize_filter\" value: {{ string_value: \"{f}\" }} }}"
+            );
+            format!("{}\n{line}\n", pre.replace("name: \"preprocessor\"", ""))
+        };
+        write(&root, "p3/config.pbtxt", &filter("lanczos"));
+        write(&root, "p4/config.pbtxt", &filter("area"));
+        for m in ["p1", "p2", "p3", "p4"] {
             std::fs::create_dir_all(root.join(m).join("1")).unwrap();
         }
         let r = scan(std::slice::from_ref(&root)).unwrap();
@@ -1310,5 +1337,15 @@ mod tests {
         };
         assert!(msg("p1").contains("parameters[std]"), "{}", msg("p1"));
         assert!(msg("p2").contains("letterbox"), "{}", msg("p2"));
+        assert!(
+            msg("p3").contains("parameters[resize_filter]"),
+            "{}",
+            msg("p3")
+        );
+        let area = r.models.iter().find(|m| m.name.as_str() == "p4").unwrap();
+        let ModelKind::Preprocessor(p) = &area.kind else {
+            panic!("p4 is a preprocessor")
+        };
+        assert_eq!(p.filter, ResizeFilter::Area);
     }
 }

@@ -177,6 +177,7 @@ fn preprocess_settings(p: &PreprocessorSpec, opts: &BuildOptions) -> PreprocessS
         height: p.height,
         dct_scaling_min_side: opts.dct_override.unwrap_or(p.dct_scaling_min_side),
         max_pixels: opts.max_image_pixels,
+        filter: p.filter,
     }
 }
 
