@@ -95,7 +95,7 @@ impl Gateway {
         let scan = repository::scan(&settings.control.repositories)
             .context("reading the model repository")?;
         let intra = cfg.intra_op_threads;
-        let (factory, gpu_count): (EngineFactory, usize) = match engine {
+        let (factory, gpu_count, unusable_gpus): (EngineFactory, usize, usize) = match engine {
             EngineChoice::Torch => {
                 let torch_gpus = engine::cuda_device_count();
                 // The driver's view (NVML), beside libtorch's: a host with NVIDIA GPUs
@@ -154,14 +154,8 @@ impl Gateway {
                 }
                 // With CUDA broken, KIND_GPU instances are planned on the host's GPUs, so
                 // that they fail with the reason rather than run on the CPU.
-                (
-                    factory,
-                    if problem.is_some() {
-                        host_gpus
-                    } else {
-                        torch_gpus
-                    },
-                )
+                let unusable = if problem.is_some() { host_gpus } else { 0 };
+                (factory, torch_gpus, unusable)
             }
             EngineChoice::Fake {
                 num_classes,
@@ -171,12 +165,12 @@ impl Gateway {
                 let factory: EngineFactory = Arc::new(move |path, _| {
                     Ok(Box::new(faults.load(path, num_classes, latency)?) as Box<dyn Engine>)
                 });
-                (factory, 0)
+                (factory, 0, 0)
             }
         };
         let gpu_instances = scan.models.iter().any(|m| match &m.kind {
             repository::ModelKind::Classifier(spec) => {
-                state::plan_instances(&spec.instance_groups, gpu_count)
+                state::plan_instances(&spec.instance_groups, gpu_count, unusable_gpus)
                     .0
                     .iter()
                     .any(|i| i.gpu.is_some())
@@ -198,6 +192,7 @@ impl Gateway {
                 factory,
                 metrics: Arc::new(telemetry::Metrics::with_config(&settings.metrics)),
                 gpu_count,
+                unusable_gpus,
                 default_queue_size: cfg.max_queue_size,
                 cache: Arc::new(scheduler::ResponseCache::new(settings.cache_size)),
                 max_image_pixels: cfg.max_image_pixels,
@@ -349,12 +344,21 @@ impl Gateway {
         failures
     }
 
-    /// `wait_ready`'s failures and every other model of the repository that is not
-    /// served: its config did not pass, an ensemble's step is missing (what
+    /// `wait_ready`'s failures and every other model the control mode loads at start-up
+    /// that is not served: its config did not pass, an ensemble's step is missing (what
     /// `--exit-on-error` exits for).
     pub async fn startup_failures(&self) -> Vec<String> {
         let mut failures = self.wait_ready().await;
+        // In explicit mode only the models asked for at start-up count (as in Triton).
+        let control = &self.state.registry.control;
+        let wanted = |name: &str| {
+            control.mode != state::ControlMode::Explicit
+                || control.startup_models.iter().any(|m| m == "*" || m == name)
+        };
         for (name, entry) in self.state.registry.models().entries() {
+            if !wanted(name.as_str()) {
+                continue;
+            }
             if let (true, Some(why)) = (entry.served.is_empty(), &entry.unavailable) {
                 failures.push(format!("{name}: {why}"));
             }

@@ -90,10 +90,18 @@ impl TorchEngine {
         })
     }
 
-    /// The rows a batch of `rows` runs as (see `sizes_run`).
+    /// The rows a batch of `rows` runs as (see `sizes_run`): the smallest size run before
+    /// that holds them, if it is at most twice as many; else `rows` (whose kernels are
+    /// then compiled once, and the size is known from then on).
     fn padded(&self, rows: usize) -> usize {
         match self.device {
-            Device::Cuda(_) => self.sizes_run.range(rows..).next().copied().unwrap_or(rows),
+            Device::Cuda(_) => self
+                .sizes_run
+                .range(rows..)
+                .next()
+                .copied()
+                .filter(|&size| size <= rows.saturating_mul(2))
+                .unwrap_or(rows),
             _ => rows,
         }
     }
@@ -157,7 +165,10 @@ impl TorchEngine {
         // engine owns; no copy out of it is in flight (the previous batch's copy to the
         // device finished before its outputs reached the host, or `drain` waited for it).
         unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), staging.data_ptr() as *mut u8, data.len());
+            let at = staging.data_ptr() as *mut u8;
+            std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len());
+            // Padding rows hold no one's pixels from an earlier batch.
+            std::ptr::write_bytes(at.add(data.len()), 0, len as usize - data.len());
         }
         staging.f_narrow(0, 0, len)
     }

@@ -45,6 +45,11 @@ fn unimplemented(what: &str) -> Status {
     ))
 }
 
+/// A request header (gRPC metadata, lower-case keys) by name.
+fn metadata_of<T>(request: &Request<T>) -> impl Fn(&str) -> Option<String> + '_ {
+    |name| Some(request.metadata().get(name)?.to_str().ok()?.to_string())
+}
+
 /// Load/unload parameters as the transport-neutral `ControlParam`.
 fn control_params(
     params: std::collections::HashMap<String, pb::ModelRepositoryParameter>,
@@ -232,7 +237,7 @@ impl GrpcInferenceService for InferenceService {
     ) -> Result<Response<pb::RepositoryModelLoadResponse>, Status> {
         self.state
             .registry
-            .authorize_control(&self.state.server.keys.grpc)?;
+            .authorize_control(&self.state.server.keys.grpc, metadata_of(&request))?;
         let r = request.into_inner();
         let config = load_parameters(control_params(r.parameters))?;
         self.state
@@ -248,7 +253,7 @@ impl GrpcInferenceService for InferenceService {
     ) -> Result<Response<pb::RepositoryModelUnloadResponse>, Status> {
         self.state
             .registry
-            .authorize_control(&self.state.server.keys.grpc)?;
+            .authorize_control(&self.state.server.keys.grpc, metadata_of(&request))?;
         let r = request.into_inner();
         let dependents = unload_parameters(control_params(r.parameters))?;
         self.state

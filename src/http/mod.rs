@@ -126,16 +126,31 @@ pub async fn restrict(
     req: ServiceRequest,
     next: Next<impl MessageBody + 'static>,
 ) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
-    let endpoint = Endpoint::of_http_path(req.path());
-    let state = req.app_data::<web::Data<AppState>>();
-    if let (Some(endpoint), Some(state)) = (endpoint, state) {
-        let headers = req.headers();
-        let sent = |name: &str| Some(headers.get(name)?.to_str().ok()?.to_string());
-        if let Err(e) = state.server.keys.http.check(endpoint, sent) {
+    // The path as the router matches it (percent-decoded but for `/`, `%` and `+`), not
+    // the raw one: `/v2/%72epository/...` must be classified as the route it reaches.
+    let endpoint = Endpoint::of_http_path(req.match_info().as_str());
+    if let Some(endpoint) = endpoint {
+        let Some(state) = req.app_data::<web::Data<AppState>>() else {
+            let e = GatewayError::new(ErrorKind::Internal, "the server's state is missing");
+            return Ok(req.error_response(e).map_into_right_body());
+        };
+        if let Err(e) = state
+            .server
+            .keys
+            .http
+            .check(endpoint, header_of(req.headers()))
+        {
             return Ok(req.error_response(e).map_into_right_body());
         }
     }
     Ok(next.call(req).await?.map_into_left_body())
+}
+
+/// A request header by name, as text.
+pub(crate) fn header_of(
+    headers: &actix_web::http::header::HeaderMap,
+) -> impl Fn(&str) -> Option<String> + '_ {
+    |name| Some(headers.get(name)?.to_str().ok()?.to_string())
 }
 
 async fn index() -> HttpResponse {

@@ -257,11 +257,14 @@ fn control_parameters(body: &web::Bytes) -> Result<Vec<(String, ControlParam)>, 
         (status = 403, description = "Without the model-repository key's header (`--http-restricted-api`, `--repository-control-key`), or none configured", body = ErrorBody),
     ))]
 pub async fn load_model(
+    req: actix_web::HttpRequest,
     path: web::Path<String>,
     body: web::Bytes,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
-    state.registry.authorize_control(&state.server.keys.http)?;
+    state
+        .registry
+        .authorize_control(&state.server.keys.http, super::header_of(req.headers()))?;
     let config = load_parameters(control_parameters(&body)?)?;
     state.registry.load_model(&path, config).await?;
     Ok(HttpResponse::Ok().finish())
@@ -278,11 +281,14 @@ pub async fn load_model(
         (status = 403, description = "Without the model-repository key's header (`--http-restricted-api`, `--repository-control-key`), or none configured", body = ErrorBody),
     ))]
 pub async fn unload_model(
+    req: actix_web::HttpRequest,
     path: web::Path<String>,
     body: web::Bytes,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
-    state.registry.authorize_control(&state.server.keys.http)?;
+    state
+        .registry
+        .authorize_control(&state.server.keys.http, super::header_of(req.headers()))?;
     let dependents = unload_parameters(control_parameters(&body)?)?;
     state.registry.unload_model(&path, dependents).await?;
     Ok(HttpResponse::Ok().finish())

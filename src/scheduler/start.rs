@@ -384,7 +384,6 @@ fn warm_up(
     choice: &BatchSizeChoice,
 ) -> Result<usize, String> {
     let row = ctx.height * ctx.width * 3;
-    let gpu = engine.device_name().starts_with("cuda");
     let mut run = |n: usize| -> Result<f64, String> {
         let data = vec![128u8; n.max(1) * row];
         let input = BatchInput::Images {
@@ -412,17 +411,11 @@ fn warm_up(
     run(1)?;
     run(1)?;
     let candidates = match choice {
-        // On a CPU not run at its own size: a pinned size can be the whole upload (a batch
-        // of 1000 takes minutes there), and after the calls above a new shape's first run
-        // is within about 15% of its steady time on this model. On a GPU once: the engine
-        // pads smaller batches to a size it has run, so none of them waits for a new
-        // shape's kernels to compile (seconds there).
-        BatchSizeChoice::Pinned(n) => {
-            if gpu {
-                run(*n)?;
-            }
-            return Ok(*n);
-        }
+        // Not run at its own size: a pinned size can be the whole upload (a batch of 1000
+        // takes minutes on a CPU, and may not fit a GPU's memory at load), and after the
+        // calls above a new shape's first run is within about 15% of its steady time on
+        // this model (on a GPU a new shape compiles once; see `TorchEngine::padded`).
+        BatchSizeChoice::Pinned(n) => return Ok(*n),
         BatchSizeChoice::Tune(c) => c,
     };
     // One instance of the process times its candidates at a time: instances warming up

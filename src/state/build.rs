@@ -21,6 +21,9 @@ pub struct BuildOptions {
     pub factory: EngineFactory,
     pub metrics: Arc<Metrics>,
     pub gpu_count: usize,
+    /// GPUs the NVIDIA driver sees where CUDA cannot start (0 otherwise): `KIND_GPU`
+    /// instances are planned there and fail their load with the reason.
+    pub unusable_gpus: usize,
     pub default_queue_size: usize,
     /// The response cache shared by the models that enable it (as Triton has one).
     pub cache: Arc<ResponseCache>,
@@ -51,7 +54,7 @@ impl Registry {
             let served = match &m.kind {
                 ModelKind::Classifier(spec) => {
                     let (instances, fallback) =
-                        plan_instances(&spec.instance_groups, opts.gpu_count);
+                        plan_instances(&spec.instance_groups, opts.gpu_count, opts.unusable_gpus);
                     if let Some(w) = &fallback {
                         tracing::warn!(model = %m.name, "{w}");
                     }
@@ -233,6 +236,7 @@ pub fn batch_size_choice(spec: &ClassifierSpec) -> BatchSizeChoice {
 pub fn plan_instances(
     groups: &[InstanceGroupSpec],
     gpu_count: usize,
+    unusable_gpus: usize,
 ) -> (Vec<InstanceId>, Option<String>) {
     let mut out = Vec::new();
     let mut warnings = Vec::new();
@@ -246,6 +250,13 @@ pub fn plan_instances(
         match g.kind {
             GroupKind::Cpu => (0..g.count).for_each(|_| push(None, &mut out)),
             GroupKind::Gpu | GroupKind::Auto => {
+                // KIND_GPU on a host whose GPUs CUDA cannot use is planned on them, so
+                // that its load fails with the reason; an Auto group uses the CPU.
+                let gpu_count = if g.kind == GroupKind::Gpu && gpu_count == 0 {
+                    unusable_gpus
+                } else {
+                    gpu_count
+                };
                 let wanted: Vec<u32> = if g.gpus.is_empty() {
                     (0..gpu_count as u32).collect()
                 } else {
@@ -295,7 +306,7 @@ mod tests {
 
     #[test]
     fn gpu_groups_run_count_per_gpu() {
-        let (ids, warn) = plan_instances(&[gpu_group(2, &[0, 1])], 2);
+        let (ids, warn) = plan_instances(&[gpu_group(2, &[0, 1])], 2, 0);
         assert!(warn.is_none());
         let gpus: Vec<_> = ids.iter().map(|i| (i.gpu, i.index)).collect();
         assert_eq!(
@@ -306,12 +317,12 @@ mod tests {
 
     #[test]
     fn missing_gpus_fall_back_with_one_warning() {
-        let (ids, warn) = plan_instances(&[gpu_group(2, &[0, 1])], 1);
+        let (ids, warn) = plan_instances(&[gpu_group(2, &[0, 1])], 1, 0);
         assert_eq!(ids.len(), 2);
         assert!(ids.iter().all(|i| i.gpu == Some(0)));
         assert!(warn.unwrap().contains("only [0]"));
 
-        let (ids, warn) = plan_instances(&[gpu_group(2, &[0, 1])], 0);
+        let (ids, warn) = plan_instances(&[gpu_group(2, &[0, 1])], 0, 0);
         assert_eq!(
             ids,
             vec![
@@ -335,8 +346,13 @@ mod tests {
             count: 1,
             gpus: vec![],
         };
-        let (ids, warn) = plan_instances(&[g], 0);
+        let (ids, warn) = plan_instances(std::slice::from_ref(&g), 0, 0);
         assert_eq!(ids.len(), 1);
         assert!(warn.is_none());
+        // Where CUDA cannot start, an Auto group still uses the CPU; KIND_GPU does not.
+        let (ids, _) = plan_instances(std::slice::from_ref(&g), 0, 1);
+        assert_eq!(ids[0].gpu, None);
+        let (ids, _) = plan_instances(&[gpu_group(1, &[])], 0, 1);
+        assert_eq!(ids[0].gpu, Some(0));
     }
 }

@@ -139,9 +139,13 @@ impl Registry {
         }
     }
 
-    /// Load and unload are open only in explicit mode and where a key restricts them
-    /// (`restrictions` checked the key as the request entered).
-    pub fn authorize_control(&self, restrictions: &Restrictions) -> Result<(), GatewayError> {
+    /// Load and unload are open only in explicit mode and where a key restricts them, to
+    /// requests that carry it (checked where the request entered, and again here).
+    pub fn authorize_control(
+        &self,
+        restrictions: &Restrictions,
+        header: impl Fn(&str) -> Option<String>,
+    ) -> Result<(), GatewayError> {
         if !restrictions.is_restricted(Endpoint::RepositoryControl) {
             return Err(GatewayError::new(
                 ErrorKind::Forbidden,
@@ -151,6 +155,7 @@ impl Registry {
                  <header>=<key>) and send that header",
             ));
         }
+        restrictions.check(Endpoint::RepositoryControl, header)?;
         if self.control.mode != ControlMode::Explicit {
             return Err(GatewayError::invalid(format!(
                 "explicit model load and unload need --model-control-mode explicit (this \

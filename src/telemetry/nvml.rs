@@ -36,21 +36,17 @@ pub struct Nvml {
     power_limit: unsafe extern "C" fn(Device, *mut c_uint) -> Ret,
     energy: unsafe extern "C" fn(Device, *mut c_ulonglong) -> Ret,
     driver_version: unsafe extern "C" fn(*mut c_char, c_uint) -> Ret,
-    cuda_version: unsafe extern "C" fn(*mut c_int) -> Ret,
+    /// Missing from old drivers.
+    cuda_version: Option<unsafe extern "C" fn(*mut c_int) -> Ret>,
 }
 
 // SAFETY: NVML's functions are thread-safe (NVIDIA's documentation); the handle holds no
 // thread-bound state.
 unsafe impl Send for Nvml {}
 
+/// The library's handle. Never closed: NVML keeps state for the process (its own
+/// reference count of `nvmlInit`), and a second user may have it open.
 struct Library(*mut c_void);
-
-impl Drop for Library {
-    fn drop(&mut self) {
-        // SAFETY: the handle came from dlopen and is closed once.
-        unsafe { libc::dlclose(self.0) };
-    }
-}
 
 impl Nvml {
     /// The library, initialised; `None` when it is not installed or finds no driver.
@@ -79,7 +75,7 @@ impl Nvml {
                 power_limit: cast(sym(c"nvmlDeviceGetEnforcedPowerLimit")?),
                 energy: cast(sym(c"nvmlDeviceGetTotalEnergyConsumption")?),
                 driver_version: cast(sym(c"nvmlSystemGetDriverVersion")?),
-                cuda_version: cast(sym(c"nvmlSystemGetCudaDriverVersion_v2")?),
+                cuda_version: sym(c"nvmlSystemGetCudaDriverVersion_v2").map(|p| cast(p)),
                 _lib: lib,
             };
             (init() == SUCCESS).then_some(nvml)
@@ -95,7 +91,7 @@ impl Nvml {
         let (d, c) = unsafe {
             (
                 (self.driver_version)(buf.as_mut_ptr(), buf.len() as c_uint),
-                (self.cuda_version)(&mut cuda),
+                self.cuda_version.map_or(-1, |f| f(&mut cuda)),
             )
         };
         let driver = if d == SUCCESS {

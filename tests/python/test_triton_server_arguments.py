@@ -78,6 +78,16 @@ def test_poll_mode_manifest_serves_with_tritons_other_arguments(server, all_phot
             assert r.status_code == 200, (path, r.text)
         r = requests.post(s.base + "/v2/repository/index", json={}, timeout=10)
         assert r.status_code == 403
+        # Percent-encoded letters reach the same routes: they are restricted too.
+        import http.client
+
+        for method, path in [("POST", "/v2/%72epository/index"), ("GET", "/v2/models/classifier/%73tats"),
+                             ("POST", "/v2/repository/models/classifier/%75nload")]:
+            conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)
+            conn.request(method, path, body=b"{}" if method == "POST" else None)
+            answer = conn.getresponse()
+            assert answer.status == 403, (path, answer.status, answer.read())
+            conn.close()
         h = httpclient.InferenceServerClient(s.http_url)
         assert {m["name"] for m in h.get_model_repository_index(headers={"admin-key": "s3cret"})} == {
             "classifier", "ensemble_model", "preprocessor"}
