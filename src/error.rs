@@ -30,6 +30,8 @@ pub enum ErrorKind {
     DeadlineExceeded,
     /// The model failed on the batch the request's rows ran in (the log says why).
     ModelFailed,
+    /// A feature this server does not offer, or one left off by a flag.
+    Unsupported,
     Internal,
 }
 
@@ -43,7 +45,7 @@ const CLIENT_CLOSED_REQUEST: u16 = 499;
 
 impl ErrorKind {
     /// Every kind, for tables and tests.
-    pub const ALL: [ErrorKind; 14] = [
+    pub const ALL: [ErrorKind; 15] = [
         ErrorKind::InvalidInput,
         ErrorKind::UnsupportedMediaType,
         ErrorKind::PayloadTooLarge,
@@ -57,6 +59,7 @@ impl ErrorKind {
         ErrorKind::Cancelled,
         ErrorKind::DeadlineExceeded,
         ErrorKind::ModelFailed,
+        ErrorKind::Unsupported,
         ErrorKind::Internal,
     ];
 
@@ -76,6 +79,7 @@ impl ErrorKind {
             ErrorKind::Cancelled => "cancelled",
             ErrorKind::DeadlineExceeded => "deadline_exceeded",
             ErrorKind::ModelFailed => "model_failed",
+            ErrorKind::Unsupported => "unsupported",
             ErrorKind::Internal => "internal",
         }
     }
@@ -97,6 +101,7 @@ impl ErrorKind {
                 tonic::Code::DeadlineExceeded
             }
             ErrorKind::ModelFailed | ErrorKind::Internal => tonic::Code::Internal,
+            ErrorKind::Unsupported => tonic::Code::Unimplemented,
         }
     }
 
@@ -116,6 +121,7 @@ impl ErrorKind {
                 .expect("499 is within the valid status range"),
             ErrorKind::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
             ErrorKind::ModelFailed | ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorKind::Unsupported => StatusCode::NOT_IMPLEMENTED,
         }
     }
 }
@@ -127,7 +133,8 @@ pub struct ErrorBody {
     pub error: String,
     /// Stable snake_case kind: `invalid_input`, `unsupported_media_type`,
     /// `payload_too_large`, `request_timeout`, `not_found`, `method_not_allowed`, `forbidden`, `not_ready`, `overloaded`,
-    /// `shutting_down`, `cancelled`, `deadline_exceeded`, `model_failed`, `internal`.
+    /// `shutting_down`, `cancelled`, `deadline_exceeded`, `model_failed`, `unsupported`,
+    /// `internal`.
     pub code: String,
 }
 

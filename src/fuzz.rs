@@ -176,6 +176,7 @@ pub fn bytes_elements(data: &[u8]) {
         datatype: DataType::Bytes,
         shape: vec![n as i64],
         data: Bytes::copy_from_slice(data),
+        shared_memory: None,
     };
     input.check_size().expect("as many elements as its shape");
     check_input(&input);

@@ -408,6 +408,10 @@ impl Gateway {
             let _ = poll.await;
         }
         self.state.registry.stop_models().await;
+        let regions = self.state.shared_memory.close_all();
+        if regions > 0 {
+            tracing::info!(regions, "shared-memory regions closed");
+        }
     }
 }
 

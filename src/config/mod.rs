@@ -296,6 +296,13 @@ pub struct Config {
     #[arg(long, value_parser = triton::boolean, default_value = "true", action = ArgAction::Set)]
     pub strict_readiness: bool,
 
+    /// Clients may register system shared-memory regions and name them in inference
+    /// requests instead of sending tensors (Triton's `--allow-client-shm`; off by default,
+    /// as in Triton: a client can then read and write any shared-memory object the server's
+    /// user can open).
+    #[arg(long, value_parser = triton::boolean, default_value = "false", action = ArgAction::Set)]
+    pub allow_client_shm: bool,
+
     /// The server's name in server metadata (Triton's `--id`).
     #[arg(long, default_value = "visiongate")]
     pub id: String,
@@ -540,6 +547,7 @@ impl Config {
             server: ServerOptions {
                 id: self.id.clone(),
                 strict_readiness: self.strict_readiness,
+                allow_client_shm: self.allow_client_shm,
                 keys,
             },
             config: self,

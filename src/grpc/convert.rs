@@ -9,6 +9,7 @@ use tonic::Status;
 use super::pb;
 use crate::domain::RequestOptions;
 use crate::kserve::{self, DataType, InputTensor, RequestedOutput};
+use crate::state::ShmRef;
 
 fn invalid(message: String) -> Status {
     Status::invalid_argument(message)
@@ -17,34 +18,51 @@ fn invalid(message: String) -> Status {
 /// The request for `kserve::infer`.
 pub fn infer_request(req: pb::ModelInferRequest) -> Result<kserve::InferRequest, Status> {
     let raw = req.raw_input_contents;
-    if !raw.is_empty() && raw.len() != req.inputs.len() {
+    // Raw contents pair, in order, with the inputs that are not in shared memory.
+    let mut places = Vec::with_capacity(req.inputs.len());
+    for input in &req.inputs {
+        places.push(shared_memory(&input.name, &input.parameters)?);
+    }
+    let sent = places.iter().filter(|p| p.is_none()).count();
+    if !raw.is_empty() && raw.len() != sent {
         return Err(invalid(format!(
-            "raw_input_contents has {} entries for {} inputs; give one per input, in order",
+            "raw_input_contents has {} entries for {sent} inputs not in shared memory; give \
+             one per input, in order",
             raw.len(),
-            req.inputs.len()
         )));
     }
+    let mut raw = raw.into_iter();
     let mut inputs = Vec::with_capacity(req.inputs.len());
-    for (i, input) in req.inputs.into_iter().enumerate() {
+    for (input, place) in req.inputs.into_iter().zip(places) {
         let datatype = DataType::parse(&input.datatype)
             .map_err(|e| invalid(format!("input '{}': {e}", input.name)))?;
-        let data = match (raw.get(i), input.contents) {
+        let data = match (&place, input.contents) {
             (Some(_), Some(_)) => {
                 return Err(invalid(format!(
-                    "input '{}' has contents and raw_input_contents; use one",
+                    "input '{}' has contents and is in shared memory; use one",
                     input.name
                 )))
             }
-            (Some(raw), None) => raw.clone(),
-            (None, Some(contents)) => contents_to_raw(contents, datatype)
-                .map_err(|e| invalid(format!("input '{}': {e}", input.name)))?,
-            (None, None) => return Err(invalid(format!("input '{}' has no data", input.name))),
+            (Some(_), None) => Bytes::new(),
+            (None, contents) => match (raw.next(), contents) {
+                (Some(_), Some(_)) => {
+                    return Err(invalid(format!(
+                        "input '{}' has contents and raw_input_contents; use one",
+                        input.name
+                    )))
+                }
+                (Some(raw), None) => raw,
+                (None, Some(contents)) => contents_to_raw(contents, datatype)
+                    .map_err(|e| invalid(format!("input '{}': {e}", input.name)))?,
+                (None, None) => return Err(invalid(format!("input '{}' has no data", input.name))),
+            },
         };
         inputs.push(InputTensor {
             name: input.name,
             datatype,
             shape: input.shape,
             data,
+            shared_memory: place,
         });
     }
     let outputs = req
@@ -61,6 +79,7 @@ pub fn infer_request(req: pb::ModelInferRequest) -> Result<kserve::InferRequest,
                 })? as usize),
             };
             Ok(RequestedOutput {
+                shared_memory: shared_memory(&o.name, &o.parameters)?,
                 name: o.name,
                 classification,
             })
@@ -74,6 +93,27 @@ pub fn infer_request(req: pb::ModelInferRequest) -> Result<kserve::InferRequest,
         outputs,
         options: request_options(&req.parameters)?,
     })
+}
+
+/// A tensor's place in system shared memory, from its `shared_memory_*` parameters.
+fn shared_memory(
+    tensor: &str,
+    params: &HashMap<String, pb::InferParameter>,
+) -> Result<Option<ShmRef>, Status> {
+    use pb::infer_parameter::ParameterChoice as P;
+    let region = params
+        .get("shared_memory_region")
+        .map(|p| match &p.parameter_choice {
+            Some(P::StringParam(s)) => Some(s.clone()),
+            _ => None,
+        });
+    let number = |name: &str| params.get(name).map(unsigned);
+    Ok(kserve::shared_memory_ref(
+        tensor,
+        region,
+        number("shared_memory_offset"),
+        number("shared_memory_byte_size"),
+    )?)
 }
 
 fn unsigned(p: &pb::InferParameter) -> Option<u64> {

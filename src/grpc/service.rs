@@ -11,7 +11,7 @@ use super::pb::{self, grpc_inference_service_server::GrpcInferenceService};
 use crate::error::GatewayError;
 use crate::kserve;
 use crate::state::{
-    load_parameters, unload_parameters, AppState, ControlParam, Drain, Restrictions,
+    load_parameters, unload_parameters, AppState, ControlParam, Drain, Restrictions, ShmError,
 };
 
 #[derive(Clone)]
@@ -38,11 +38,8 @@ fn version(v: &str) -> Option<&str> {
     Some(v).filter(|v| !v.is_empty())
 }
 
-fn unimplemented(what: &str) -> Status {
-    Status::unimplemented(format!(
-        "{what} is not supported by visiongate: send tensors in the request \
-         (raw_input_contents or contents) instead"
-    ))
+fn cuda_unsupported() -> Status {
+    GatewayError::from(ShmError::Cuda).into()
 }
 
 /// A request header (gRPC metadata, lower-case keys) by name.
@@ -265,44 +262,76 @@ impl GrpcInferenceService for InferenceService {
 
     async fn system_shared_memory_status(
         &self,
-        _: Request<pb::SystemSharedMemoryStatusRequest>,
+        request: Request<pb::SystemSharedMemoryStatusRequest>,
     ) -> Result<Response<pb::SystemSharedMemoryStatusResponse>, Status> {
-        Err(unimplemented("system shared memory"))
+        let name = request.into_inner().name;
+        let regions = self
+            .state
+            .shared_memory
+            .status(Some(name.as_str()).filter(|n| !n.is_empty()))
+            .map_err(GatewayError::from)?;
+        let regions = regions
+            .into_iter()
+            .map(|r| {
+                let status = pb::system_shared_memory_status_response::RegionStatus {
+                    name: r.name.clone(),
+                    key: r.key,
+                    offset: r.offset,
+                    byte_size: r.byte_size,
+                };
+                (r.name, status)
+            })
+            .collect();
+        Ok(Response::new(pb::SystemSharedMemoryStatusResponse {
+            regions,
+        }))
     }
 
     async fn system_shared_memory_register(
         &self,
-        _: Request<pb::SystemSharedMemoryRegisterRequest>,
+        request: Request<pb::SystemSharedMemoryRegisterRequest>,
     ) -> Result<Response<pb::SystemSharedMemoryRegisterResponse>, Status> {
-        Err(unimplemented("system shared memory"))
+        let r = request.into_inner();
+        self.state
+            .shared_memory
+            .register(&r.name, &r.key, r.offset, r.byte_size)
+            .map_err(GatewayError::from)?;
+        Ok(Response::new(pb::SystemSharedMemoryRegisterResponse {}))
     }
 
     async fn system_shared_memory_unregister(
         &self,
-        _: Request<pb::SystemSharedMemoryUnregisterRequest>,
+        request: Request<pb::SystemSharedMemoryUnregisterRequest>,
     ) -> Result<Response<pb::SystemSharedMemoryUnregisterResponse>, Status> {
-        Err(unimplemented("system shared memory"))
+        let name = request.into_inner().name;
+        let shm = &self.state.shared_memory;
+        match name.as_str() {
+            "" => shm.unregister_all(),
+            name => shm.unregister(name),
+        }
+        .map_err(GatewayError::from)?;
+        Ok(Response::new(pb::SystemSharedMemoryUnregisterResponse {}))
     }
 
     async fn cuda_shared_memory_status(
         &self,
         _: Request<pb::CudaSharedMemoryStatusRequest>,
     ) -> Result<Response<pb::CudaSharedMemoryStatusResponse>, Status> {
-        Err(unimplemented("CUDA shared memory"))
+        Err(cuda_unsupported())
     }
 
     async fn cuda_shared_memory_register(
         &self,
         _: Request<pb::CudaSharedMemoryRegisterRequest>,
     ) -> Result<Response<pb::CudaSharedMemoryRegisterResponse>, Status> {
-        Err(unimplemented("CUDA shared memory"))
+        Err(cuda_unsupported())
     }
 
     async fn cuda_shared_memory_unregister(
         &self,
         _: Request<pb::CudaSharedMemoryUnregisterRequest>,
     ) -> Result<Response<pb::CudaSharedMemoryUnregisterResponse>, Status> {
-        Err(unimplemented("CUDA shared memory"))
+        Err(cuda_unsupported())
     }
 
     async fn trace_setting(

@@ -5,6 +5,7 @@ mod health;
 pub mod multipart;
 pub mod openapi;
 mod predict;
+mod shm;
 mod v2;
 pub(crate) mod v2_infer;
 
@@ -68,7 +69,46 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: web::Data<AppState>) {
             "/v2/repository/models/{model}/unload",
             Method::POST,
             web::post().to(v2::unload_model),
+        ))
+        .service(one_method(
+            "/v2/systemsharedmemory/status",
+            Method::GET,
+            web::get().to(shm::status),
+        ))
+        .service(one_method(
+            "/v2/systemsharedmemory/region/{name}/status",
+            Method::GET,
+            web::get().to(shm::region_status),
+        ))
+        .service(one_method(
+            "/v2/systemsharedmemory/region/{name}/register",
+            Method::POST,
+            web::post().to(shm::register),
+        ))
+        .service(one_method(
+            "/v2/systemsharedmemory/unregister",
+            Method::POST,
+            web::post().to(shm::unregister_all),
+        ))
+        .service(one_method(
+            "/v2/systemsharedmemory/region/{name}/unregister",
+            Method::POST,
+            web::post().to(shm::unregister),
         ));
+    // CUDA shared memory: each of Triton's routes answers 501.
+    for (path, method) in [
+        ("/v2/cudasharedmemory/status", Method::GET),
+        ("/v2/cudasharedmemory/region/{name}/status", Method::GET),
+        ("/v2/cudasharedmemory/region/{name}/register", Method::POST),
+        ("/v2/cudasharedmemory/unregister", Method::POST),
+        (
+            "/v2/cudasharedmemory/region/{name}/unregister",
+            Method::POST,
+        ),
+    ] {
+        let route = web::route().method(method.clone()).to(shm::cuda);
+        cfg.service(one_method(path, method, route));
+    }
     // Each model route with and without `/versions/{version}`.
     for base in [
         "/v2/models/{model}",

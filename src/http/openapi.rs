@@ -7,7 +7,7 @@ use utoipa::openapi::{
 };
 use utoipa::OpenApi;
 
-use super::{health, predict, v2, v2_infer};
+use super::{health, predict, shm, v2, v2_infer};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -31,12 +31,18 @@ use super::{health, predict, v2, v2_infer};
         v2::repository_index,
         v2::load_model,
         v2::unload_model,
+        shm::status,
+        shm::region_status,
+        shm::register,
+        shm::unregister_all,
+        shm::unregister,
     ),
     tags(
         (name = "predict", description = "Classify uploaded images"),
         (name = "health", description = "Liveness and readiness (KServe v2)"),
         (name = "kserve", description = "KServe v2 / Triton HTTP protocol"),
         (name = "repository", description = "Triton's model repository extension"),
+        (name = "shared memory", description = "Triton's system shared memory extension (`--allow-client-shm=true`)"),
     )
 )]
 struct ApiDoc;

@@ -24,7 +24,7 @@ use crate::domain::RequestOptions;
 use crate::error::{ErrorBody, ErrorKind, GatewayError};
 use crate::kserve::{self, DataType, InferRequest, InputTensor, OutputTensor, RequestedOutput};
 use crate::repository::ModelKind;
-use crate::state::{AppState, ServedModel, UploadLimits};
+use crate::state::{AppState, ServedModel, ShmRef, UploadLimits};
 
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
 
@@ -202,7 +202,7 @@ pub struct JsonOutputTensor<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
     parameters: Option<Value>,
-    /// The elements, flat (row-major), unless sent as binary.
+    /// The elements, flat (row-major), unless sent as binary or written to shared memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
     data: Option<JsonData<'a>>,
@@ -330,46 +330,45 @@ pub(crate) fn parse_request(
         let datatype = DataType::parse(&input.datatype)
             .map_err(|e| GatewayError::invalid(format!("input '{}': {e}", input.name)))?;
         let shape = input.shape.0;
+        let place = shared_memory(&input.name, &input.parameters.0)?;
         let size = input.parameters.0.get("binary_data_size");
-        let data = match (size, &input.data) {
-            (Some(size), None) => {
-                let size = size.as_u64().ok_or_else(|| {
-                    GatewayError::invalid(format!(
-                        "input '{}': binary_data_size must be a byte count",
-                        input.name
-                    ))
-                })? as usize;
-                if size > binary.len() {
-                    return Err(GatewayError::invalid(format!(
-                        "input '{}': binary_data_size {size} is more than the {} bytes left \
-                         after the JSON header",
-                        input.name,
-                        binary.len()
-                    )));
-                }
-                binary.split_to(size)
+        let given = [input.data.is_some(), size.is_some(), place.is_some()];
+        if given.iter().filter(|&&g| g).count() != 1 {
+            return Err(GatewayError::invalid(format!(
+                "input '{}' must set exactly one of 'data', 'binary_data_size' in \
+                 'parameters' or 'shared_memory_region' in 'parameters'",
+                input.name
+            )));
+        }
+        let data = if let Some(size) = size {
+            let size = size.as_u64().ok_or_else(|| {
+                GatewayError::invalid(format!(
+                    "input '{}': binary_data_size must be a byte count",
+                    input.name
+                ))
+            })? as usize;
+            if size > binary.len() {
+                return Err(GatewayError::invalid(format!(
+                    "input '{}': binary_data_size {size} is more than the {} bytes left \
+                     after the JSON header",
+                    input.name,
+                    binary.len()
+                )));
             }
-            (None, Some(data)) => json_to_raw(data, datatype, &shape)
+            binary.split_to(size)
+        } else if let Some(data) = &input.data {
+            json_to_raw(data, datatype, &shape)
                 .map_err(|e| GatewayError::invalid(format!("input '{}': {e}", input.name)))?
-                .into(),
-            (Some(_), Some(_)) => {
-                return Err(GatewayError::invalid(format!(
-                    "input '{}' has both 'data' and binary_data_size",
-                    input.name
-                )))
-            }
-            (None, None) => {
-                return Err(GatewayError::invalid(format!(
-                    "input '{}' has no 'data' and no binary_data_size",
-                    input.name
-                )))
-            }
+                .into()
+        } else {
+            Bytes::new()
         };
         inputs.push(InputTensor {
             name: input.name,
             datatype,
             shape,
             data,
+            shared_memory: place,
         });
     }
     if !binary.is_empty() {
@@ -392,11 +391,19 @@ pub(crate) fn parse_request(
                 ))
             })? as usize),
         };
-        binary_flags
-            .push(bool_param(&o.parameters.0, "binary_data")?.unwrap_or(binary_output_default));
+        let place = shared_memory(&o.name, &o.parameters.0)?;
+        let binary = bool_param(&o.parameters.0, "binary_data")?;
+        if place.is_some() && binary == Some(true) {
+            return Err(GatewayError::invalid(format!(
+                "output '{}' can't set both 'shared_memory_region' and 'binary_data'",
+                o.name
+            )));
+        }
+        binary_flags.push(binary.unwrap_or(binary_output_default));
         outputs.push(RequestedOutput {
             name: o.name,
             classification,
+            shared_memory: place,
         });
     }
     let request = InferRequest {
@@ -414,6 +421,23 @@ pub(crate) fn parse_request(
         },
         binary_output_default,
     ))
+}
+
+/// A tensor's place in system shared memory, from its `shared_memory_*` parameters.
+fn shared_memory(
+    tensor: &str,
+    params: &Map<String, Value>,
+) -> Result<Option<ShmRef>, GatewayError> {
+    let region = params
+        .get("shared_memory_region")
+        .map(|v| v.as_str().map(String::from));
+    let number = |name: &str| params.get(name).map(Value::as_u64);
+    kserve::shared_memory_ref(
+        tensor,
+        region,
+        number("shared_memory_offset"),
+        number("shared_memory_byte_size"),
+    )
 }
 
 fn bool_param(params: &Map<String, Value>, name: &str) -> Result<Option<bool>, GatewayError> {
@@ -493,6 +517,7 @@ fn raw_request(
                 datatype,
                 shape,
                 data,
+                shared_memory: None,
             }],
             outputs: Vec::new(),
             options: RequestOptions::default(),
@@ -723,7 +748,9 @@ fn write_response(
                 parameters: None,
                 data: None,
             };
-            if as_binary {
+            if o.shared_memory.is_some() {
+                // As Triton: the datatype and shape, the data in the client's region.
+            } else if as_binary {
                 out.parameters = Some(serde_json::json!({ "binary_data_size": o.data.len() }));
                 tail.extend_from_slice(&o.data);
             } else {
@@ -842,6 +869,7 @@ mod tests {
             datatype: DataType::Fp32,
             shape: vec![1, 2],
             data: [1.0f32.to_le_bytes(), 2.0f32.to_le_bytes()].concat(),
+            shared_memory: None,
         };
         assert_eq!(
             serde_json::to_value(JsonData(&out)).unwrap(),

@@ -21,7 +21,7 @@ use crate::pipeline::{self, Encoded};
 use crate::preprocess::{PreprocessError, PreprocessSettings, Row};
 use crate::repository::{ModelKind, RepositoryModel};
 use crate::scheduler::{RequestSpec, RowFormat, RowIn, RowOutput};
-use crate::state::{AppState, LookupError, ServedModel};
+use crate::state::{AppState, LookupError, ServedModel, ShmRef};
 
 /// One requested output; `classification: Some(k)` asks for the top k classes as BYTES
 /// `"score:index:label"` instead of the tensor (Triton's classification extension).
@@ -29,6 +29,8 @@ use crate::state::{AppState, LookupError, ServedModel};
 pub struct RequestedOutput {
     pub name: String,
     pub classification: Option<usize>,
+    /// Written to this place in system shared memory instead of the response.
+    pub shared_memory: Option<ShmRef>,
 }
 
 #[derive(Debug, Clone)]
@@ -47,8 +49,10 @@ pub struct OutputTensor {
     pub name: String,
     pub datatype: DataType,
     pub shape: Vec<i64>,
-    /// Raw form (little-endian; BYTES length-prefixed).
+    /// Raw form (little-endian; BYTES length-prefixed); empty when in shared memory.
     pub data: Vec<u8>,
+    /// Where the data was written, for an output asked in shared memory.
+    pub shared_memory: Option<ShmRef>,
 }
 
 #[derive(Debug, Clone)]
@@ -92,7 +96,7 @@ impl HasKind for BadRow {
 pub async fn infer(
     state: &AppState,
     served: &ServedModel,
-    req: InferRequest,
+    mut req: InferRequest,
 ) -> Result<InferResponse, GatewayError> {
     let model = served.repository_model();
     if !served.is_ready() {
@@ -101,6 +105,7 @@ pub async fn infer(
         }
         .into());
     }
+    super::shm::read_inputs(state, &mut req).await?;
     let (input_name, output_name) = io_names(model);
     let input = single_input(&req, model, input_name)?;
     let max_rows = RowLimit {
@@ -109,7 +114,7 @@ pub async fn infer(
     };
     let wanted = requested_outputs(&req, model, output_name)?;
     let want = output_request(&wanted);
-    let outputs = match served {
+    let mut outputs = match served {
         ServedModel::Ensemble { pipeline, .. } => {
             let images = image_rows(input, &req.model, max_rows)?;
             // The protocol has no per-row errors: a bad image fails the request, naming it.
@@ -158,6 +163,7 @@ pub async fn infer(
             preprocessed_outputs(&wanted, &rows, preprocess, normalize, &req.model)?
         }
     };
+    super::shm::write_outputs(state, &wanted, &mut outputs).await?;
     Ok(InferResponse {
         model: req.model.clone(),
         version: model.version.to_string(),
@@ -217,6 +223,7 @@ fn requested_outputs(
         return Ok(vec![RequestedOutput {
             name: name.to_string(),
             classification: None,
+            shared_memory: None,
         }]);
     }
     for o in &req.outputs {
@@ -425,6 +432,7 @@ fn classifier_outputs(
                     datatype: DataType::Fp32,
                     shape: vec![n, classes as i64],
                     data,
+                    shared_memory: None,
                 })
             }
             Some(k) => {
@@ -446,6 +454,7 @@ fn classifier_outputs(
                     datatype: DataType::Bytes,
                     shape: vec![n, width as i64],
                     data: encode_bytes_elements(elements.iter().map(String::as_bytes)),
+                    shared_memory: None,
                 })
             }
         })
@@ -478,6 +487,7 @@ fn preprocessed_outputs(
             datatype: DataType::Fp32,
             shape: vec![rows.len() as i64, 3, h as i64, w as i64],
             data: data.clone(),
+            shared_memory: None,
         })
         .collect())
 }
@@ -507,6 +517,7 @@ mod tests {
         let wanted = [RequestedOutput {
             name: "out".into(),
             classification: Some(2),
+            shared_memory: None,
         }];
         let rows = [row(&[(2, 3.25), (0, 1.5)], &[1.5, -2.0, 3.25])];
         let out = classifier_outputs(&wanted, &rows, Some(&labels)).unwrap();
@@ -524,6 +535,7 @@ mod tests {
         let wanted = [RequestedOutput {
             name: "out".into(),
             classification: None,
+            shared_memory: None,
         }];
         let rows = [row(&[], &[1.0, 2.0]), row(&[], &[3.0, 4.0])];
         let out = classifier_outputs(&wanted, &rows, None).unwrap();
@@ -542,10 +554,12 @@ mod tests {
             RequestedOutput {
                 name: "out".into(),
                 classification: Some(3),
+                shared_memory: None,
             },
             RequestedOutput {
                 name: "out".into(),
                 classification: None,
+                shared_memory: None,
             },
         ];
         assert_eq!(

@@ -2,6 +2,7 @@
 //! raw layout, model resolution, metadata, inference and statistics. `http::v2` and `grpc`
 //! only convert their wire types to these and back, so both answer alike and share state.
 mod infer;
+mod shm;
 mod stats;
 mod tensor;
 
@@ -9,6 +10,7 @@ pub use infer::{
     image_rows, infer, ImageRows, InferRequest, InferResponse, OutputTensor, RequestedOutput,
     RowLimit,
 };
+pub use shm::{shared_memory_ref, Param};
 pub use stats::{model_statistics, DurationStat, ModelStatistics};
 pub use tensor::{
     bytes_elements, count_bytes_elements, element_count, encode_bytes_elements, DataType,
@@ -23,12 +25,13 @@ use crate::state::{AppState, ServedModel};
 pub const SERVER_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The protocol extensions this server implements, as reported in server metadata.
-pub const EXTENSIONS: [&str; 5] = [
+pub const EXTENSIONS: [&str; 6] = [
     "classification",
     "binary_tensor_data",
     "statistics",
     "model_configuration",
     "model_repository",
+    "system_shared_memory",
 ];
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]

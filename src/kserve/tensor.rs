@@ -119,6 +119,9 @@ pub struct InputTensor {
     pub datatype: DataType,
     pub shape: Vec<i64>,
     pub data: Bytes,
+    /// Where the data is when it is in system shared memory (`data` is empty until
+    /// inference reads it).
+    pub shared_memory: Option<crate::state::ShmRef>,
 }
 
 /// Elements of a shape; an error names a negative dimension or an overflow.
@@ -240,6 +243,7 @@ mod tests {
             datatype,
             shape,
             data: data.into(),
+            shared_memory: None,
         };
         assert!(t(DataType::Fp32, vec![2, 3], vec![0; 24])
             .check_size()

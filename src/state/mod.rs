@@ -1,10 +1,11 @@
 //! The one state every transport shares: the model registry (the served models and their
-//! lifecycle), the decode pool, upload limits and metrics.
+//! lifecycle), the decode pool, upload limits, metrics and shared-memory regions.
 mod build;
 mod control;
 mod drain;
 mod registry;
 mod restrict;
+mod shm;
 mod table;
 
 use std::sync::Arc;
@@ -14,6 +15,7 @@ pub use control::{load_parameters, unload_parameters, ControlMode, ControlParam,
 pub use drain::{Drain, Work};
 pub use registry::Registry;
 pub use restrict::{ApiKeys, Endpoint, Restrictions, GRPC_HEADER_PREFIX};
+pub use shm::{RegionStatus, SharedMemory, ShmError, ShmRef};
 pub use table::{ModelEntry, ModelTable};
 
 use crate::domain::{ModelVersion, Normalize};
@@ -126,6 +128,8 @@ pub struct ServerOptions {
     /// Readiness waits for every loaded model (Triton's `--strict-readiness`); without
     /// it, the server is ready once it runs.
     pub strict_readiness: bool,
+    /// Clients may register system shared memory (Triton's `--allow-client-shm`).
+    pub allow_client_shm: bool,
     /// Restricted endpoints per transport.
     pub keys: ApiKeys,
 }
@@ -135,6 +139,7 @@ impl Default for ServerOptions {
         ServerOptions {
             id: "visiongate".to_string(),
             strict_readiness: true,
+            allow_client_shm: false,
             keys: ApiKeys::default(),
         }
     }
@@ -150,6 +155,8 @@ pub struct AppState {
     pub limits: UploadLimits,
     pub metrics: Arc<Metrics>,
     pub server: ServerOptions,
+    /// The system shared-memory regions clients registered.
+    pub shared_memory: SharedMemory,
 }
 
 impl AppState {
@@ -172,6 +179,7 @@ impl AppState {
             drain: Default::default(),
             limits,
             metrics,
+            shared_memory: SharedMemory::new(server.allow_client_shm),
             server,
         }
     }

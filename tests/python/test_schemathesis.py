@@ -17,8 +17,12 @@ KEY = "schemathesis-key"
 
 
 def test_schemathesis_finds_nothing(tmp_path):
-    # Explicit mode with the control key, so load and unload are exercised too.
-    s = Server("--model-control-mode=explicit", "--load-model=*", "--repository-control-key", f"x-admin-key={KEY}")
+    # Explicit mode with the control key, so load and unload are exercised too; shared
+    # memory on, so registration is.
+    s = Server(
+        "--model-control-mode=explicit", "--load-model=*",
+        "--repository-control-key", f"x-admin-key={KEY}", "--allow-client-shm=true",
+    )
     seed = os.environ.get("VISIONGATE_SCHEMATHESIS_SEED", "20261124")
     try:
         cmd = [

@@ -57,7 +57,8 @@ def test_poll_mode_manifest_serves_with_tritons_other_arguments(server, all_phot
         "--cache-config=local,size=1048576", "--backend-config=pytorch,enable-nvfuser=false",
         "--pinned-memory-pool-byte-size=268435456", "--cuda-memory-pool-byte-size=0:67108864",
         "--min-supported-compute-capability=7.0", "--strict-readiness=true",
-        "--http-restricted-api=model-repository,statistics:admin-key=s3cret",
+        "--http-restricted-api=model-repository,statistics,shared-memory:admin-key=s3cret",
+        "--allow-client-shm=true",
         "--grpc-restricted-protocol=inference:infer-key=t0ken",
         repository=False,
     )
@@ -71,7 +72,7 @@ def test_poll_mode_manifest_serves_with_tritons_other_arguments(server, all_phot
             assert f"{flag}: accepted, no effect" in log, flag
 
         # HTTP: the restricted groups answer 403 with a JSON body naming the header.
-        for path in ("/v2/models/stats", "/v2/models/classifier/stats"):
+        for path in ("/v2/models/stats", "/v2/models/classifier/stats", "/v2/systemsharedmemory/status"):
             r = requests.get(s.base + path, timeout=10)
             assert r.status_code == 403 and "admin-key" in r.json()["error"], (path, r.text)
             r = requests.get(s.base + path, headers={"Admin-Key": "s3cret"}, timeout=10)
