@@ -2,6 +2,7 @@ use clap::Parser;
 
 fn main() -> anyhow::Result<()> {
     limit_malloc_arenas();
+    raise_open_file_limit();
     let config = visiongate::config::Config::parse();
     visiongate::telemetry::init(config.log_levels());
     let settings = config.validate().map_err(anyhow::Error::msg)?;
@@ -28,6 +29,24 @@ fn limit_malloc_arenas() {
             unsafe {
                 libc::mallopt(libc::M_ARENA_MAX, 2);
             }
+        }
+    }
+}
+
+/// The soft limit on open descriptors up to the hard one, as servers do: connections and
+/// registered shared-memory regions (a descriptor each) must not run out at a default
+/// soft limit of 1024 while the hard limit allows far more.
+fn raise_open_file_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: reads and sets this process's own limit through a valid pointer.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
+        {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
         }
     }
 }

@@ -353,4 +353,66 @@ mod tests {
             e.message()
         );
     }
+
+    #[test]
+    fn raw_contents_skip_inputs_in_shared_memory() {
+        use pb::infer_parameter::ParameterChoice as P;
+        let param = |p| pb::InferParameter {
+            parameter_choice: Some(p),
+        };
+        let mut in_shm = input("a", "FP32", vec![2]);
+        in_shm.parameters = HashMap::from([
+            (
+                "shared_memory_region".to_string(),
+                param(P::StringParam("r".into())),
+            ),
+            (
+                "shared_memory_byte_size".to_string(),
+                param(P::Int64Param(8)),
+            ),
+            ("shared_memory_offset".to_string(), param(P::Int64Param(16))),
+        ]);
+        let mut out = pb::model_infer_request::InferRequestedOutputTensor {
+            name: "o".into(),
+            parameters: HashMap::new(),
+        };
+        out.parameters = in_shm.parameters.clone();
+        let req = pb::ModelInferRequest {
+            inputs: vec![in_shm.clone(), input("b", "UINT8", vec![1])],
+            outputs: vec![out],
+            raw_input_contents: vec![Bytes::from_static(&[3])],
+            ..Default::default()
+        };
+        let r = infer_request(req).unwrap();
+        let place = ShmRef {
+            region: "r".into(),
+            offset: 16,
+            byte_size: 8,
+        };
+        assert_eq!(r.inputs[0].shared_memory, Some(place.clone()));
+        assert!(r.inputs[0].data.is_empty());
+        assert_eq!(r.inputs[1].data.as_ref(), &[3]);
+        assert_eq!(r.outputs[0].shared_memory, Some(place));
+
+        // A region and contents for one input; a region named by a number.
+        let mut both = in_shm.clone();
+        both.contents = Some(pb::InferTensorContents {
+            fp32_contents: vec![1.0, 2.0],
+            ..Default::default()
+        });
+        let mut bad = in_shm;
+        bad.parameters
+            .insert("shared_memory_region".into(), param(P::Int64Param(1)));
+        for (inputs, says) in [
+            (vec![both], "contents and is in shared memory"),
+            (vec![bad], "must be a string"),
+        ] {
+            let req = pb::ModelInferRequest {
+                inputs,
+                ..Default::default()
+            };
+            let e = infer_request(req).unwrap_err();
+            assert!(e.message().contains(says), "{}", e.message());
+        }
+    }
 }

@@ -227,10 +227,10 @@ pub struct InferPath {
     responses(
         (status = 200, description = "Outputs (JSON, or JSON header + binary data with \
             `Inference-Header-Content-Length`)", body = JsonResponse),
-        (status = 400, description = "Bad input name, datatype or shape, or an undecodable row (named)", body = ErrorBody),
-        (status = 404, description = "Unknown model or version", body = ErrorBody),
+        (status = 400, description = "Bad input name, datatype or shape, an undecodable row (named), or a shared-memory place outside its region", body = ErrorBody),
+        (status = 404, description = "Unknown model or version, or shared-memory region", body = ErrorBody),
         (status = 408, description = "The body stopped arriving (`--body-timeout-secs`, `--body-min-rate`)", body = ErrorBody),
-        (status = 413, description = "Body over `--max-body-bytes` (from `Content-Length` before reading, when sent)", body = ErrorBody),
+        (status = 413, description = "Body, or an input in shared memory, over `--max-body-bytes` (from `Content-Length` before reading, when sent)", body = ErrorBody),
         (status = 503, description = "Model not ready, its queue is full, or the server is shutting down", body = ErrorBody),
         (status = 504, description = "Still queued when the queue timeout passed", body = ErrorBody),
     ))]
@@ -860,6 +860,52 @@ mod tests {
         let short = Bytes::from(header.to_vec());
         let e = parse_request("m".into(), None, short, Some(header.len())).unwrap_err();
         assert!(e.to_string().contains("binary_data_size 2"), "{e}");
+    }
+
+    #[test]
+    fn shared_memory_replaces_data_and_binary_data() {
+        let parse =
+            |json: &str| parse_request("m".into(), None, Bytes::from(json.to_string()), None);
+        let (parsed, _) = parse(
+            r#"{"inputs":[{"name":"a","shape":[2],"datatype":"FP32","parameters":{"shared_memory_region":"r","shared_memory_byte_size":8,"shared_memory_offset":4}}],"outputs":[{"name":"o","parameters":{"shared_memory_region":"q","shared_memory_byte_size":16}}]}"#,
+        )
+        .unwrap();
+        let input = &parsed.request.inputs[0];
+        assert!(input.data.is_empty());
+        assert_eq!(
+            input.shared_memory,
+            Some(ShmRef {
+                region: "r".into(),
+                offset: 4,
+                byte_size: 8
+            })
+        );
+        assert_eq!(
+            parsed.request.outputs[0]
+                .shared_memory
+                .as_ref()
+                .unwrap()
+                .region,
+            "q"
+        );
+        assert_eq!(parsed.binary, vec![false]);
+        for (json, says) in [
+            (
+                r#"{"inputs":[{"name":"a","shape":[1],"datatype":"UINT8","data":[1],"parameters":{"shared_memory_region":"r","shared_memory_byte_size":1}}]}"#,
+                "exactly one of",
+            ),
+            (
+                r#"{"inputs":[{"name":"a","shape":[1],"datatype":"UINT8","data":[1]}],"outputs":[{"name":"o","parameters":{"shared_memory_region":"q","shared_memory_byte_size":4,"binary_data":true}}]}"#,
+                "can't set both",
+            ),
+            (
+                r#"{"inputs":[{"name":"a","shape":[1],"datatype":"UINT8","parameters":{"shared_memory_region":"r","shared_memory_byte_size":-1}}]}"#,
+                "non-negative integer",
+            ),
+        ] {
+            let e = parse(json).unwrap_err();
+            assert!(e.to_string().contains(says), "{e}");
+        }
     }
 
     #[test]

@@ -105,14 +105,23 @@ pub async fn infer(
         }
         .into());
     }
-    super::shm::read_inputs(state, &mut req).await?;
     let (input_name, output_name) = io_names(model);
-    let input = single_input(&req, model, input_name)?;
+    let wanted = requested_outputs(&req, model, output_name)?;
+    // Output regions are found and checked before anything runs, and kept to the end.
+    let places = super::shm::output_places(state, &wanted)?;
+    let input = single_input(&mut req, model, input_name)?;
+    super::shm::read_input(state, input, model.name.as_str()).await?;
+    input.check_size().map_err(|e| {
+        GatewayError::invalid(format!(
+            "input '{input_name}' of model '{}' {e}",
+            model.name
+        ))
+    })?;
+    let input = &req.inputs[0];
     let max_rows = RowLimit {
         rows: state.limits.max_files,
         why: "--max-files",
     };
-    let wanted = requested_outputs(&req, model, output_name)?;
     let want = output_request(&wanted);
     let mut outputs = match served {
         ServedModel::Ensemble { pipeline, .. } => {
@@ -163,7 +172,7 @@ pub async fn infer(
             preprocessed_outputs(&wanted, &rows, preprocess, normalize, &req.model)?
         }
     };
-    super::shm::write_outputs(state, &wanted, &mut outputs).await?;
+    super::shm::write_outputs(places, &mut outputs).await?;
     Ok(InferResponse {
         model: req.model.clone(),
         version: model.version.to_string(),
@@ -181,18 +190,19 @@ fn io_names(model: &RepositoryModel) -> (&str, &str) {
     }
 }
 
+/// The model's one input, once its name and count are checked (its data not yet).
 fn single_input<'a>(
-    req: &'a InferRequest,
+    req: &'a mut InferRequest,
     model: &RepositoryModel,
     name: &str,
-) -> Result<&'a InputTensor, GatewayError> {
+) -> Result<&'a mut InputTensor, GatewayError> {
     if let Some(other) = req.inputs.iter().find(|i| i.name != name) {
         return Err(GatewayError::invalid(format!(
             "unexpected inference input '{}' for model '{}': its only input is '{name}'",
             other.name, model.name
         )));
     }
-    let input = match req.inputs.as_slice() {
+    let input = match req.inputs.as_mut_slice() {
         [one] => one,
         [] => {
             return Err(GatewayError::invalid(format!(
@@ -207,9 +217,6 @@ fn single_input<'a>(
             )))
         }
     };
-    input.check_size().map_err(|e| {
-        GatewayError::invalid(format!("input '{name}' of model '{}' {e}", model.name))
-    })?;
     Ok(input)
 }
 

@@ -2,9 +2,10 @@
 //! `shared_memory_offset` and `shared_memory_byte_size` parameters, read the same way on
 //! both transports; inputs are read from their region before inference, outputs written to
 //! theirs after it (their places checked before the model runs).
-use super::{InferRequest, OutputTensor, RequestedOutput};
-use crate::error::GatewayError;
-use crate::state::{AppState, ShmRef};
+use super::tensor::element_count;
+use super::{InputTensor, OutputTensor, RequestedOutput};
+use crate::error::{ErrorKind, GatewayError};
+use crate::state::{AppState, Place, ShmRef};
 
 /// One `shared_memory_*` parameter as a transport found it: absent, or present with a
 /// value of the right type (`Some(Some(_))`) or of another type (`Some(None)`).
@@ -60,60 +61,96 @@ pub fn shared_memory_ref(
     }))
 }
 
-/// Reads the inputs that are in shared memory, and checks the places of the outputs that
-/// go there (so that a bad one fails before the model runs).
-pub async fn read_inputs(state: &AppState, req: &mut InferRequest) -> Result<(), GatewayError> {
-    for o in &req.outputs {
-        let Some(at) = &o.shared_memory else {
-            continue;
-        };
-        if o.classification.is_some() {
+/// The place of each output asked in shared memory, checked before the model runs and
+/// held until its data is written (an unregister meanwhile closes nothing under it).
+pub fn output_places(
+    state: &AppState,
+    wanted: &[RequestedOutput],
+) -> Result<Vec<Option<Place>>, GatewayError> {
+    wanted
+        .iter()
+        .map(|o| {
+            let Some(at) = &o.shared_memory else {
+                return Ok(None);
+            };
+            if o.classification.is_some() {
+                return Err(GatewayError::invalid(format!(
+                    "output '{}' can't set both 'shared_memory_region' and 'classification'",
+                    o.name
+                )));
+            }
+            Ok(Some(state.shared_memory.place(at)?))
+        })
+        .collect()
+}
+
+/// Reads `input` of model `model` from shared memory when it is there. Its size is checked
+/// first: against its shape (fixed-size datatypes) and `--max-body-bytes` (as for a body).
+pub async fn read_input(
+    state: &AppState,
+    input: &mut InputTensor,
+    model: &str,
+) -> Result<(), GatewayError> {
+    let Some(at) = &input.shared_memory else {
+        return Ok(());
+    };
+    if let Some(size) = input.datatype.size() {
+        let wanted = element_count(&input.shape)
+            .ok()
+            .and_then(|n| n.checked_mul(size))
+            .map(|n| n as u64);
+        if wanted != Some(at.byte_size) {
             return Err(GatewayError::invalid(format!(
-                "output '{}' can't set both 'shared_memory_region' and 'classification'",
-                o.name
+                "input '{}' of model '{model}': shared_memory_byte_size is {}, but shape {:?} \
+                 of {} needs {}",
+                input.name,
+                at.byte_size,
+                input.shape,
+                input.datatype,
+                wanted.map_or("more than this server can address".to_string(), |n| n
+                    .to_string()),
             )));
         }
-        state.shared_memory.place(at)?;
     }
-    let limit = state.limits.max_body_bytes;
-    for input in &mut req.inputs {
-        if let Some(at) = &input.shared_memory {
-            let place = state.shared_memory.place(at)?;
-            let name = input.name.clone();
-            input.data = blocking(at.byte_size, move || place.read(&name, limit)).await?;
-        }
-    }
+    let place = state.shared_memory.place(at)?;
+    let (name, limit) = (input.name.clone(), state.limits.max_body_bytes);
+    input.data = blocking(at.byte_size, move || place.read(&name, limit)).await??;
     Ok(())
 }
 
-/// Writes each output asked in shared memory to its region; it keeps its datatype and
-/// shape, and no data.
+/// Writes each output asked in shared memory to its place (from [`output_places`]); it
+/// keeps its datatype and shape, and no data.
 pub async fn write_outputs(
-    state: &AppState,
-    wanted: &[RequestedOutput],
+    places: Vec<Option<Place>>,
     outputs: &mut [OutputTensor],
 ) -> Result<(), GatewayError> {
-    for (w, out) in wanted.iter().zip(outputs) {
-        if let Some(at) = &w.shared_memory {
-            let place = state.shared_memory.place(at)?;
-            let (name, data) = (out.name.clone(), std::mem::take(&mut out.data));
-            blocking(data.len() as u64, move || place.write(&name, &data)).await?;
-            out.shared_memory = Some(at.clone());
-        }
+    for (place, out) in places.into_iter().zip(outputs) {
+        let Some(place) = place else {
+            continue;
+        };
+        out.shared_memory = Some(place.at().clone());
+        let (name, data) = (out.name.clone(), std::mem::take(&mut out.data));
+        blocking(data.len() as u64, move || place.write(&name, &data)).await??;
     }
     Ok(())
 }
 
 /// Runs file I/O of `bytes` bytes: small ones here, large ones on Tokio's blocking threads
 /// (a copy of many megabytes would hold up every connection of this worker).
-async fn blocking<T: Send + 'static>(bytes: u64, io: impl FnOnce() -> T + Send + 'static) -> T {
+async fn blocking<T: Send + 'static>(
+    bytes: u64,
+    io: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, GatewayError> {
     if bytes < 1 << 20 {
-        return io();
+        return Ok(io());
     }
-    match tokio::task::spawn_blocking(io).await {
-        Ok(done) => done,
-        Err(e) => std::panic::resume_unwind(e.into_panic()),
-    }
+    tokio::task::spawn_blocking(io)
+        .await
+        .map_err(|e| match e.try_into_panic() {
+            Ok(panic) => std::panic::resume_unwind(panic),
+            // The runtime is shutting down.
+            Err(_) => GatewayError::new(ErrorKind::ShuttingDown, "the server is stopping"),
+        })
 }
 
 #[cfg(test)]

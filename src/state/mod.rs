@@ -15,7 +15,7 @@ pub use control::{load_parameters, unload_parameters, ControlMode, ControlParam,
 pub use drain::{Drain, Work};
 pub use registry::Registry;
 pub use restrict::{ApiKeys, Endpoint, Restrictions, GRPC_HEADER_PREFIX};
-pub use shm::{RegionStatus, SharedMemory, ShmError, ShmRef};
+pub use shm::{Place, RegionStatus, SharedMemory, ShmError, ShmRef};
 pub use table::{ModelEntry, ModelTable};
 
 use crate::domain::{ModelVersion, Normalize};

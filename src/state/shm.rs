@@ -130,6 +130,8 @@ pub enum ShmError {
         byte_size: u64,
         limit: u64,
     },
+    #[error("cannot hold the {byte_size} bytes of input '{input}' now: out of memory")]
+    OutOfMemory { input: String, byte_size: u64 },
     #[error("shared memory region '{region}': {error}")]
     Io {
         region: String,
@@ -143,6 +145,7 @@ impl HasKind for ShmError {
             ShmError::Disabled | ShmError::Cuda => ErrorKind::Unsupported,
             ShmError::NotFound(_) => ErrorKind::NotFound,
             ShmError::InputTooLarge { .. } => ErrorKind::PayloadTooLarge,
+            ShmError::OutOfMemory { .. } => ErrorKind::Overloaded,
             ShmError::Io { .. } => ErrorKind::Internal,
             _ => ErrorKind::InvalidInput,
         }
@@ -239,8 +242,8 @@ impl SharedMemory {
                 "a key is one name, optionally after a leading '/' (e.g. '/input_data')",
             ));
         }
-        if bare.len() > 255 {
-            return Err(bad_key("longer than 255 bytes"));
+        if key.len() > MAX_NAME + 1 {
+            return Err(bad_key("longer than 256 bytes"));
         }
         if bare.starts_with(RESERVED_PREFIX) {
             return Err(bad_key(
@@ -367,6 +370,10 @@ pub struct Place {
 }
 
 impl Place {
+    pub fn at(&self) -> &ShmRef {
+        &self.at
+    }
+
     /// The bytes of input `input`; at most `limit` of them.
     pub fn read(&self, input: &str, limit: u64) -> Result<Bytes, ShmError> {
         let at = &self.at;
@@ -377,7 +384,14 @@ impl Place {
                 limit,
             });
         }
-        let mut data = vec![0; at.byte_size as usize];
+        let mut data = Vec::new();
+        // A failed allocation is this request's error, not the process's end.
+        data.try_reserve_exact(at.byte_size as usize)
+            .map_err(|_| ShmError::OutOfMemory {
+                input: input.to_string(),
+                byte_size: at.byte_size,
+            })?;
+        data.resize(at.byte_size as usize, 0);
         self.region
             .file
             .read_exact_at(&mut data, self.start)

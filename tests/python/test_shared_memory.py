@@ -22,7 +22,7 @@ import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, serialize_byte_tensor, serialized_byte_size
 
 from conftest import Server
 from test_triton_clients import PHOTO_NAMES, read_and_pad_images
@@ -123,6 +123,17 @@ def test_ensemble_reads_images_and_writes_scores_in_shared_memory(regions, photo
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     assert [int(np.argmax(s)) for s in got] == [int(np.argmax(s)) for s in expected]
 
+    # The same photos as BYTES [N] (each element length-prefixed, as tritonclient
+    # serializes them), at an offset of their region.
+    encoded = serialize_byte_tensor(np.array([p.read_bytes() for p in photos], dtype=object))
+    size = serialized_byte_size(encoded)
+    elements, _ = regions.create("elements", 128 + size)
+    shm.set_shared_memory_region(elements, [encoded], offset=128)
+    inp = mod.InferInput("RAW_IMAGE", [len(photos)], "BYTES")
+    inp.set_shared_memory("elements", size, offset=128)
+    scores = c.infer("ensemble_model", [inp]).as_numpy("output__0")
+    assert [int(np.argmax(s)) for s in scores] == [int(np.argmax(s)) for s in expected]
+
 
 def test_preprocessor_output_region_is_the_classifiers_input(regions, photos):
     mod, c = regions.mod, regions.c
@@ -205,12 +216,13 @@ def test_bad_places_are_refused_with_what_and_where(regions, photos):
         inp.set_shared_memory(region, size, offset)
         return c.infer("ensemble_model", [inp], outputs=out)
 
-    # Outside the region; a size that is not the shape's; an unknown region.
+    # Outside the region; a size that is not the shape's (refused before reading); an
+    # unknown region.
     e = error_of(lambda: infer("images", batch.nbytes, offset=1))
     assert "outside" in e.message() and "'images'" in e.message()
     e = error_of(lambda: infer("images", batch.nbytes - 1))
-    assert "RAW_IMAGE" in e.message() and "bytes" in e.message()
-    e = error_of(lambda: infer("nope", 8))
+    assert "RAW_IMAGE" in e.message() and f"needs {batch.nbytes}" in e.message(), e.message()
+    e = error_of(lambda: infer("nope", batch.nbytes))
     assert "nope" in e.message()
     if regions.kind == "http":
         assert e.status() == "404"
