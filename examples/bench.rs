@@ -14,7 +14,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use visiongate::engine::{BatchInput, Engine, OutputRequest, TorchEngine};
+use visiongate::domain::Precision;
+use visiongate::engine::{cpu_runs_bf16, BatchInput, Engine, OutputRequest, TorchEngine};
 use visiongate::preprocess::{decode_into, DecodeBudget, PreprocessSettings};
 
 fn root() -> PathBuf {
@@ -33,7 +34,14 @@ fn photos(dir: &str) -> Vec<Vec<u8>> {
 
 /// Images/s of `instances` threads, each with its own engine and `threads` intra-op
 /// threads, each running batches of `batch` for about `secs`.
-fn forward(model: &Path, batch: usize, instances: usize, threads: i32, secs: f64) -> f64 {
+fn forward(
+    model: &Path,
+    precision: Precision,
+    batch: usize,
+    instances: usize,
+    threads: i32,
+    secs: f64,
+) -> f64 {
     let barrier = Arc::new(std::sync::Barrier::new(instances));
     let handles: Vec<_> = (0..instances)
         .map(|_| {
@@ -41,7 +49,7 @@ fn forward(model: &Path, batch: usize, instances: usize, threads: i32, secs: f64
             let barrier = barrier.clone();
             std::thread::spawn(move || {
                 tch::set_num_threads(threads);
-                let mut engine = TorchEngine::load(&model, None).unwrap();
+                let mut engine = TorchEngine::load(&model, None, precision).unwrap();
                 let data: Vec<f32> = (0..batch * 3 * 224 * 224)
                     .map(|i| ((i * 7919) % 255) as f32 / 128.0 - 1.0)
                     .collect();
@@ -118,21 +126,30 @@ async fn main() {
 
     println!("1. model-only forward (preprocessed f32 tensors), images/s");
     println!(
-        "   {:>6} {:>26} {:>26}",
+        "   {:>9} {:>6} {:>26} {:>26}",
+        "precision",
         "batch",
         "1 instance x 1 thread",
         format!("{cores} instances x 1 thread")
     );
     let mut best = 0.0f64;
-    for batch in [1, 8, 32] {
-        let one = forward(&model, batch, 1, 1, 4.0);
-        let many = forward(&model, batch, cores, 1, 4.0);
-        best = best.max(one).max(many);
-        println!("   {batch:>6} {one:>26.1} {many:>26.1}");
+    let mut precisions = vec![Precision::Fp32];
+    if cpu_runs_bf16() {
+        precisions.push(Precision::Bf16);
     }
-    let wide = forward(&model, 8, 1, cores as i32, 4.0);
+    for &precision in &precisions {
+        for batch in [1, 8, 32] {
+            let one = forward(&model, precision, batch, 1, 1, 4.0);
+            let many = forward(&model, precision, batch, cores, 1, 4.0);
+            if precision == Precision::Fp32 {
+                best = best.max(one).max(many);
+            }
+            println!("   {precision:>9} {batch:>6} {one:>26.1} {many:>26.1}");
+        }
+    }
+    let wide = forward(&model, Precision::Fp32, 8, 1, cores as i32, 4.0);
     best = best.max(wide);
-    println!("   batch 8, 1 instance x {cores} threads: {wide:.1}");
+    println!("   fp32, batch 8, 1 instance x {cores} threads: {wide:.1}");
 
     println!("\n2. decode + resize to 224x224 (JPEG, DCT threshold 448 / 224), images/s");
     for dir in ["small", "medium", "large"] {

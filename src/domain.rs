@@ -141,6 +141,41 @@ pub enum WarmupData {
     Row(std::sync::Arc<Vec<f32>>),
 }
 
+/// The precision a classifier's convolutions and matmuls run in (its config's `precision`
+/// parameter, or `--precision`). Reduced precisions run under autocast: the input, its
+/// normalization, the ops autocast keeps in FP32 and the outputs stay FP32.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Precision {
+    #[default]
+    Fp32,
+    /// bfloat16: on CPUs with AVX-512 BF16 or AMX, and on CUDA.
+    Bf16,
+    /// float16: on CUDA only.
+    Fp16,
+}
+
+impl Precision {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Precision> {
+        [Precision::Fp32, Precision::Bf16, Precision::Fp16]
+            .into_iter()
+            .find(|p| p.as_str() == text)
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.as_str())
+    }
+}
+
 /// How the built-in preprocessor resamples an image to the model's size (its
 /// `resize_filter` parameter), named for the library whose pixels it matches.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -128,7 +128,7 @@ impl Gateway {
                     tracing::error!("CUDA cannot start; KIND_GPU models will fail to load: {why}");
                 }
                 let broken = problem.clone();
-                let factory: EngineFactory = Arc::new(move |path, id| {
+                let factory: EngineFactory = Arc::new(move |path, id, precision| {
                     if let (Some(why), Some(_)) = (&broken, id.gpu) {
                         return Err(engine::EngineError::Load {
                             path: format!("instance {id}"),
@@ -139,7 +139,7 @@ impl Gateway {
                     // GPU instances too, so the little CPU work they do (the copy into the
                     // staging buffer) never spreads over the cores decoding needs.
                     tch::set_num_threads(intra as i32);
-                    Ok(Box::new(TorchEngine::load(path, id.gpu)?) as Box<dyn Engine>)
+                    Ok(Box::new(TorchEngine::load(path, id.gpu, precision)?) as Box<dyn Engine>)
                 });
                 if cfg.tf32 != config::Tf32::Default {
                     engine::cuda::set_allow_tf32(cfg.tf32 == config::Tf32::On)
@@ -162,7 +162,7 @@ impl Gateway {
                 latency,
                 faults,
             } => {
-                let factory: EngineFactory = Arc::new(move |path, _| {
+                let factory: EngineFactory = Arc::new(move |path, _, _| {
                     Ok(Box::new(faults.load(path, num_classes, latency)?) as Box<dyn Engine>)
                 });
                 (factory, 0, 0)
@@ -197,6 +197,7 @@ impl Gateway {
                 cache: Arc::new(scheduler::ResponseCache::new(settings.cache_size)),
                 max_image_pixels: cfg.max_image_pixels,
                 dct_override: cfg.dct_scaling_min_side,
+                precision: cfg.precision,
             },
             settings.control.clone(),
             UploadLimits {

@@ -1,12 +1,14 @@
 //! The engine's device hygiene (a staging buffer reused across batches, page-locked on a
 //! GPU; the normalization's mean and std made once per instance) changes no result: on the
 //! CPU every logit and top-k score is bit-identical to a plain libtorch forward pass of
-//! the same rows, for batches that grow, shrink and repeat.
+//! the same rows, for batches that grow, shrink and repeat. A bf16 engine runs reduced
+//! precision for real (close to FP32, not equal) and leaves FP32 engines on the same
+//! thread bit-identical.
 use std::path::PathBuf;
 
 use tch::{CModule, Device, Kind, Tensor};
-use visiongate::domain::Normalize;
-use visiongate::engine::{BatchInput, Engine, OutputRequest, TorchEngine};
+use visiongate::domain::{Normalize, Precision};
+use visiongate::engine::{cpu_runs_bf16, BatchInput, Engine, OutputRequest, TorchEngine};
 
 const SIDE: usize = 224;
 const ROW: usize = SIDE * SIDE * 3;
@@ -52,7 +54,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn staged_and_cached_inputs_give_bit_identical_logits_and_top_k() {
     tch::set_num_threads(1);
     let module = CModule::load_on_device(model_file(), Device::Cpu).unwrap();
-    let mut engine = TorchEngine::load(&model_file(), None).unwrap();
+    let mut engine = TorchEngine::load(&model_file(), None, Precision::Fp32).unwrap();
     let want = OutputRequest {
         top_k: 5,
         logits: true,
@@ -100,7 +102,7 @@ fn staged_and_cached_inputs_give_bit_identical_logits_and_top_k() {
 fn fp32_tensor_input_matches_a_plain_forward_pass() {
     tch::set_num_threads(1);
     let module = CModule::load_on_device(model_file(), Device::Cpu).unwrap();
-    let mut engine = TorchEngine::load(&model_file(), None).unwrap();
+    let mut engine = TorchEngine::load(&model_file(), None, Precision::Fp32).unwrap();
     let data: Vec<f32> = rows(3, 9).iter().map(|&b| b as f32 / 127.5 - 1.0).collect();
     let out = engine
         .run(
@@ -124,4 +126,68 @@ fn fp32_tensor_input_matches_a_plain_forward_pass() {
     let expected = module.forward_ts(&[x]).unwrap();
     let expected = Vec::<f32>::try_from(&expected.flatten(0, -1)).unwrap();
     assert_eq!(bits(&out.logits.unwrap()), bits(&expected));
+}
+
+fn image_logits(engine: &mut TorchEngine, data: &[u8]) -> Vec<f32> {
+    let out = engine
+        .run(
+            BatchInput::Images {
+                data,
+                height: SIDE,
+                width: SIDE,
+                normalize: NORMALIZE,
+            },
+            OutputRequest {
+                top_k: 1,
+                logits: true,
+            },
+        )
+        .unwrap();
+    out.logits.unwrap()
+}
+
+#[test]
+fn bf16_runs_in_reduced_precision_and_leaves_fp32_exact() {
+    tch::set_num_threads(1);
+    let loaded = TorchEngine::load(&model_file(), None, Precision::Bf16);
+    if !cpu_runs_bf16() {
+        let e = loaded
+            .err()
+            .expect("bf16 refused without AVX-512 BF16 or AMX");
+        assert!(e.to_string().contains("--precision=fp32"), "{e}");
+        return;
+    }
+    let mut bf16 = loaded.unwrap();
+    let mut fp32 = TorchEngine::load(&model_file(), None, Precision::Fp32).unwrap();
+    let module = CModule::load_on_device(model_file(), Device::Cpu).unwrap();
+    let data = rows(4, 11);
+    let reduced = image_logits(&mut bf16, &data);
+    let exact = image_logits(&mut fp32, &data);
+    assert_eq!(bits(&exact), bits(&reference_logits(&module, &data, 4)));
+    let diff = reduced
+        .iter()
+        .zip(&exact)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    // bfloat16 keeps 8 bits of mantissa: the logits move, but not far.
+    assert!(
+        diff > 0.0,
+        "bf16 gave FP32's exact logits: autocast did not run"
+    );
+    assert!(diff < 1.0, "bf16 logits differ from FP32 by {diff}");
+    // Autocast ends with the forward: FP32 after bf16 on this thread is still exact.
+    assert_eq!(bits(&image_logits(&mut fp32, &data)), bits(&exact));
+    assert_eq!(
+        bits(&image_logits(&mut bf16, &data)),
+        bits(&reduced),
+        "bf16 is deterministic too"
+    );
+}
+
+#[test]
+fn fp16_is_refused_on_the_cpu() {
+    let e = TorchEngine::load(&model_file(), None, Precision::Fp16)
+        .err()
+        .expect("fp16 on the CPU is refused");
+    assert!(e.to_string().contains("GPUs only"), "{e}");
 }

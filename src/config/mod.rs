@@ -11,6 +11,7 @@ use clap::{ArgAction, Parser};
 
 pub use triton::LogFormat;
 
+use crate::domain::Precision;
 use crate::state::{
     ApiKeys, ControlMode, ControlSettings, Endpoint, ServerOptions, GRPC_HEADER_PREFIX,
 };
@@ -250,6 +251,13 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_TF32", value_enum, default_value = "default")]
     pub tf32: Tf32,
 
+    /// Every classifier's precision, instead of its config's `precision` parameter: `fp32`,
+    /// `bf16` (autocast: convolutions and matmuls in bfloat16; CPUs with AVX-512 BF16 or
+    /// AMX, and GPUs) or `fp16` (GPUs only). A model whose device cannot run it fails its
+    /// load saying so.
+    #[arg(long, env = "VISIONGATE_PRECISION", value_parser = precision)]
+    pub precision: Option<Precision>,
+
     /// Requests that may wait in a model's queue when its config.pbtxt sets no
     /// `default_queue_policy.max_queue_size`. One more is refused at once with 503.
     #[arg(long, env = "VISIONGATE_MAX_QUEUE_SIZE", default_value_t = 256)]
@@ -368,6 +376,11 @@ pub enum Tf32 {
 
 /// The memory this process may use: the machine's, or its container's limit (cgroup v2,
 /// else v1) when lower. 4 GiB when neither can be read.
+/// `--precision`.
+fn precision(value: &str) -> Result<Precision, String> {
+    Precision::parse(value).ok_or_else(|| format!("'{value}': expected fp32, bf16 or fp16"))
+}
+
 fn memory_limit() -> u64 {
     let read =
         |path: &str| -> Option<u64> { std::fs::read_to_string(path).ok()?.trim().parse().ok() };
@@ -674,6 +687,13 @@ mod tests {
         assert!(!c.allow_grpc && c.allow_http && c.disable_auto_complete_config);
         assert_eq!(c.http_workers, 3);
         assert_eq!(c.log_format, Some(LogFormat::Iso8601));
+
+        // visiongate's own: a precision for every classifier, Triton's shared-memory switch.
+        let c = parse(&["--precision=bf16", "--allow-client-shm=true"]).unwrap();
+        assert_eq!(c.precision, Some(Precision::Bf16));
+        assert!(c.allow_client_shm);
+        assert!(!parse(&[]).unwrap().allow_client_shm);
+        assert!(parse(&["--precision=int8"]).is_err());
 
         // A boolean flag needs its value, as in Triton.
         assert!(parse(&["--allow-http"]).is_err());

@@ -1,6 +1,7 @@
-//! libtorch's CUDA side that tch leaves out, through `cuda_shim.cpp` (built by build.rs):
-//! TF32 switches, a stream of its own per instance thread, and CUDA events, so an instance
-//! times its batches and waits for its own stream instead of synchronizing the device.
+//! What tch leaves out of libtorch, through `cuda_shim.cpp` (built by build.rs): TF32
+//! switches, a stream of its own per instance thread, CUDA events, so an instance times its
+//! batches and waits for its own stream instead of synchronizing the device, and autocast
+//! on the CPU as well as on CUDA.
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ptr::NonNull;
 use std::time::Duration;
@@ -15,6 +16,7 @@ extern "C" {
     fn vg_cuda_event_record(event: *mut c_void, index: c_int) -> c_int;
     fn vg_cuda_event_synchronize(event: *mut c_void) -> c_int;
     fn vg_cuda_event_elapsed_ms(start: *mut c_void, end: *mut c_void, ms: *mut f64) -> c_int;
+    fn vg_autocast(cuda: c_int, precision: c_int) -> c_int;
 }
 
 fn last_error() -> String {
@@ -52,6 +54,33 @@ pub fn allow_tf32() -> (bool, bool) {
 pub fn use_pool_stream(index: usize) -> Result<(), String> {
     // SAFETY: changes the calling thread's current-stream setting only.
     check(unsafe { vg_cuda_use_pool_stream(index as c_int) })
+}
+
+/// Autocast on the calling thread, on the CPU or on CUDA, while it lives: convolutions and
+/// matmuls run in `dtype` (float16 or bfloat16), the rest as torch.autocast keeps it.
+pub struct Autocast {
+    cuda: bool,
+}
+
+impl Autocast {
+    pub fn new(cuda: bool, dtype: tch::Kind) -> Result<Autocast, String> {
+        let precision = match dtype {
+            tch::Kind::Half => 1,
+            tch::Kind::BFloat16 => 2,
+            other => return Err(format!("autocast to {other:?} is not supported")),
+        };
+        // SAFETY: changes the calling thread's autocast settings only.
+        check(unsafe { vg_autocast(c_int::from(cuda), precision) })?;
+        Ok(Autocast { cuda })
+    }
+}
+
+impl Drop for Autocast {
+    fn drop(&mut self) {
+        // SAFETY: as in `new`; turning autocast off cannot fail but for a libtorch bug,
+        // which the next `new` would report.
+        let _ = unsafe { vg_autocast(c_int::from(self.cuda), 0) };
+    }
 }
 
 /// A CUDA event with timing enabled.

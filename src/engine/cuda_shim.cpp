@@ -1,9 +1,10 @@
-// What tch does not expose of libtorch's CUDA side, as a few C functions for
-// src/engine/cuda.rs: TF32 switches, a stream of its own per instance thread, and CUDA
-// events for timings (so an instance waits for its own stream, never for the whole
-// device). Only device-generic c10 headers: no CUDA headers are needed to build it, and
+// What tch does not expose of libtorch, as a few C functions for src/engine/cuda.rs: TF32
+// switches, a stream of its own per instance thread, CUDA events for timings (so an
+// instance waits for its own stream, never for the whole device), and autocast on the CPU
+// as well as on CUDA (tch's switch is CUDA's alone). Only device-generic c10 headers: no CUDA headers are needed to build it, and
 // on a machine without a GPU nothing here touches CUDA unless asked to.
 #include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
@@ -102,6 +103,28 @@ int vg_cuda_event_synchronize(void* event) {
 int vg_cuda_event_elapsed_ms(void* start, void* end, double* ms) {
   try {
     *ms = static_cast<c10::Event*>(start)->elapsedTime(*static_cast<c10::Event*>(end));
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+// Autocast for the calling thread on the CPU (`cuda` 0) or CUDA (`cuda` 1): `precision` 1
+// runs eligible ops (convolutions, matmuls) in float16, 2 in bfloat16, 0 turns it off
+// again (and drops the casts it cached), as torch.autocast's entry and exit do.
+int vg_autocast(int cuda, int precision) {
+  try {
+    auto device = cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+    if (precision == 0) {
+      at::autocast::set_autocast_enabled(device, false);
+      if (at::autocast::decrement_nesting() == 0) {
+        at::autocast::clear_cache();
+      }
+      return 0;
+    }
+    at::autocast::set_autocast_dtype(device, precision == 1 ? at::kHalf : at::kBFloat16);
+    at::autocast::set_autocast_enabled(device, true);
+    at::autocast::increment_nesting();
     return 0;
   } catch (const std::exception& e) {
     return fail(e);

@@ -7,7 +7,7 @@ mod fake;
 mod torch;
 
 pub use fake::{FakeEngine, FakeFaults};
-pub use torch::{cuda_device_count, normalize_on_cpu, TorchEngine};
+pub use torch::{cpu_runs_bf16, cuda_device_count, normalize_on_cpu, TorchEngine};
 
 use std::time::Duration;
 

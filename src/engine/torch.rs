@@ -6,7 +6,7 @@ use tch::{CModule, Device, Kind, Tensor};
 
 use super::cuda;
 use super::{BatchInput, ComputeTimings, Engine, EngineError, EngineOutput, OutputRequest};
-use crate::domain::{ClassScore, Normalize};
+use crate::domain::{ClassScore, Normalize, Precision};
 
 /// Number of CUDA devices libtorch sees (0 without a GPU or without CUDA libraries).
 pub fn cuda_device_count() -> usize {
@@ -35,6 +35,43 @@ pub struct TorchEngine {
     /// that batch; padding rows costs little there (a batch of 64 takes about as long as
     /// one of 16). CPU batches run at their own size (no such compile; rows cost time).
     sizes_run: std::collections::BTreeSet<usize>,
+    /// The reduced precision the forward runs in under autocast (`None`: FP32).
+    autocast: Option<Kind>,
+}
+
+/// Whether this CPU runs bfloat16 convolutions and matmuls natively (AVX-512 BF16 or
+/// AMX); elsewhere oneDNN would emulate them, slower than FP32.
+pub fn cpu_runs_bf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512bf16")
+            || std::fs::read_to_string("/proc/cpuinfo")
+                .is_ok_and(|info| info.split_whitespace().any(|flag| flag == "amx_bf16"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The autocast dtype of `precision` on `device`, or why the device cannot run it.
+fn autocast_kind(precision: Precision, device: Device) -> Result<Option<Kind>, String> {
+    match (precision, device) {
+        (Precision::Fp32, _) => Ok(None),
+        (Precision::Bf16, Device::Cuda(_)) => Ok(Some(Kind::BFloat16)),
+        (Precision::Fp16, Device::Cuda(_)) => Ok(Some(Kind::Half)),
+        (Precision::Bf16, _) if cpu_runs_bf16() => Ok(Some(Kind::BFloat16)),
+        (Precision::Bf16, _) => Err(
+            "precision bf16 on the CPU needs AVX-512 BF16 or AMX, which \
+             this CPU lacks: use fp32 (the config's precision parameter, or --precision=fp32)"
+                .into(),
+        ),
+        (Precision::Fp16, _) => Err(
+            "precision fp16 runs on GPUs only: on the CPU use bf16 (with \
+             AVX-512 BF16 or AMX) or fp32 (the config's precision parameter, or --precision)"
+                .into(),
+        ),
+    }
 }
 
 /// A model file's path from its model directory on: `<model>/<version>/<file>`.
@@ -53,9 +90,10 @@ fn exec(e: tch::TchError) -> EngineError {
 }
 
 impl TorchEngine {
-    /// Loads the module onto `gpu` (CUDA ordinal) or the CPU, in eval mode. Call it on the
-    /// thread that will run it: on a GPU that thread gets a stream of its own first.
-    pub fn load(path: &Path, gpu: Option<u32>) -> Result<Self, EngineError> {
+    /// Loads the module onto `gpu` (CUDA ordinal) or the CPU, in eval mode, to run in
+    /// `precision`. Call it on the thread that will run it: on a GPU that thread gets a
+    /// stream of its own first.
+    pub fn load(path: &Path, gpu: Option<u32>, precision: Precision) -> Result<Self, EngineError> {
         // Said relative to the repository (`<model>/<version>/<file>`), torch's message to
         // its first line: load errors reach clients (the repository index, a failed load).
         let full = path.display().to_string();
@@ -68,6 +106,8 @@ impl TorchEngine {
                 .replace(&full, &shown),
             path: shown.clone(),
         };
+        let device = gpu.map_or(Device::Cpu, |i| Device::Cuda(i as usize));
+        let autocast = autocast_kind(precision, device).map_err(&load_error)?;
         let (device, events) = match gpu {
             Some(i) => {
                 cuda::use_pool_stream(i as usize).map_err(load_error)?;
@@ -87,6 +127,7 @@ impl TorchEngine {
             normalize: None,
             events,
             sizes_run: Default::default(),
+            autocast,
         })
     }
 
@@ -252,7 +293,15 @@ impl TorchEngine {
         let x = self.input_tensor(input, padded)?;
         self.mark(1)?;
         let t1 = Instant::now();
-        let logits = self.module.forward_ts(&[x])?;
+        let logits = match self.autocast {
+            None => self.module.forward_ts(&[x])?,
+            Some(kind) => {
+                let _autocast = cuda::Autocast::new(self.device.is_cuda(), kind)
+                    .map_err(tch::TchError::Torch)?;
+                // Outputs in FP32 from here on: ranking, softmax and the logits returned.
+                self.module.forward_ts(&[x])?.f_to_kind(Kind::Float)?
+            }
+        };
         self.mark(2)?;
         let t2 = Instant::now();
         let size = logits.size();

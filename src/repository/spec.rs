@@ -7,7 +7,8 @@ use std::time::Duration;
 use super::pb::{self, model_config::SchedulingChoice};
 use super::{LoadFailure, RepositoryError, ScanResult};
 use crate::domain::{
-    ModelName, ModelVersion, Normalize, ResizeFilter, TimeoutAction, WarmupData, WarmupSample,
+    ModelName, ModelVersion, Normalize, Precision, ResizeFilter, TimeoutAction, WarmupData,
+    WarmupSample,
 };
 
 /// Platform of TorchScript models, as Triton names it.
@@ -42,6 +43,8 @@ pub struct ClassifierSpec {
     /// `model_warmup` samples with rows (those with `batch_size: 0` are skipped, as in
     /// Triton), run by each instance before the model is ready.
     pub warmup: Vec<WarmupSample>,
+    /// `parameters { key: "precision" ... }`: what convolutions and matmuls run in.
+    pub precision: Precision,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -441,6 +444,26 @@ fn classifier(
         batching: batching(model, c)?,
         response_cache: c.response_cache.as_ref().is_some_and(|r| r.enable),
         warmup: warmup(dir, model, c, input)?,
+        precision: precision(model, c)?,
+    })
+}
+
+/// A classifier's `precision` parameter (FP32 when it has none).
+fn precision(model: &str, c: &pb::ModelConfig) -> Result<Precision, RepositoryError> {
+    let Some(p) = c.parameters.get("precision") else {
+        return Ok(Precision::Fp32);
+    };
+    let text = p.string_value.trim().to_ascii_lowercase();
+    Precision::parse(&text).ok_or_else(|| {
+        invalid(
+            model,
+            "parameters[precision]",
+            format!(
+                "'{}' is not a precision: fp32, bf16 (CPUs with AVX-512 BF16 or AMX, GPUs) or \
+                 fp16 (GPUs)",
+                p.string_value
+            ),
+        )
     })
 }
 
@@ -1177,6 +1200,27 @@ mod tests {
                 other => panic!("not a classifier: {other:?}"),
             },
         }
+    }
+
+    #[test]
+    fn precision_is_a_parameter_fp32_by_default() {
+        let with = |tag, value: &str| {
+            let line = format!(
+                "parameters {{ key: \"precision\" value: {{ string_value: \"{value}\" }} }}"
+            );
+            classifier_with(tag, &line)
+        };
+        assert_eq!(
+            classifier_with("p0", "").unwrap().precision,
+            Precision::Fp32
+        );
+        assert_eq!(with("p1", "bf16").unwrap().precision, Precision::Bf16);
+        assert_eq!(with("p2", " FP16 ").unwrap().precision, Precision::Fp16);
+        let e = with("p3", "int8").unwrap_err();
+        assert!(
+            e.contains("parameters[precision]") && e.contains("'int8'"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -12,13 +12,19 @@ use super::batcher::{run_batcher, BatcherLabels};
 use super::handle::Inner;
 use super::instance::{instance_loop, Ended, InstanceContext, Slot};
 use super::{BatchPolicy, ModelHandle, ModelState, ResponseCache};
-use crate::domain::{InstanceId, ModelName, ModelVersion, Normalize, WarmupData, WarmupSample};
+use crate::domain::{
+    InstanceId, ModelName, ModelVersion, Normalize, Precision, WarmupData, WarmupSample,
+};
 use crate::engine::{BatchInput, Engine, EngineError, OutputRequest};
 use crate::telemetry::Metrics;
 
-/// Builds the engine of one instance; called on that instance's own thread.
-pub type EngineFactory =
-    Arc<dyn Fn(&std::path::Path, InstanceId) -> Result<Box<dyn Engine>, EngineError> + Send + Sync>;
+/// Builds the engine of one instance, running the model file in a precision; called on
+/// that instance's own thread.
+pub type EngineFactory = Arc<
+    dyn Fn(&std::path::Path, InstanceId, Precision) -> Result<Box<dyn Engine>, EngineError>
+        + Send
+        + Sync,
+>;
 
 #[derive(Debug, Clone)]
 pub struct ModelSettings {
@@ -27,6 +33,8 @@ pub struct ModelSettings {
     pub instances: Vec<InstanceId>,
     /// The model file each instance loads.
     pub model_file: std::path::PathBuf,
+    /// What its convolutions and matmuls run in.
+    pub precision: Precision,
     /// Batching, and per priority level the queue's capacity (requests that may wait;
     /// one more is refused with `Overloaded`) and timeouts.
     pub policy: BatchPolicy,
@@ -89,7 +97,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         let (done_tx, done_rx) = oneshot::channel::<Result<(String, usize), String>>();
         loaded.push((id, done_rx));
         let factory = factory.clone();
-        let model_file = settings.model_file.clone();
+        let (model_file, precision) = (settings.model_file.clone(), settings.precision);
         let slots = slots_tx.clone();
         let ctx = InstanceContext {
             model: name.clone(),
@@ -108,7 +116,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
                 // A panic while loading (a broken device) is a failed load.
                 let start = || {
                     std::panic::catch_unwind(AssertUnwindSafe(|| {
-                        let mut engine = factory(&model_file, id).map_err(|e| e.to_string())?;
+                        let mut engine = factory(&model_file, id, precision).map_err(|e| e.to_string())?;
                         let target = warm_up(engine.as_mut(), &ctx, &choice)?;
                         run_warmup_samples(engine.as_mut(), &ctx, &samples)?;
                         Ok::<_, String>((engine, target))

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::{ModelTable, Registry, ServedModel};
-use crate::domain::{InstanceId, ModelName};
+use crate::domain::{InstanceId, ModelName, Precision};
 use crate::pipeline::ImagePipeline;
 use crate::preprocess::PreprocessSettings;
 use crate::repository::{
@@ -29,6 +29,8 @@ pub struct BuildOptions {
     pub cache: Arc<ResponseCache>,
     pub max_image_pixels: u64,
     pub dct_override: Option<u32>,
+    /// `--precision`: every classifier's, instead of its config's.
+    pub precision: Option<Precision>,
 }
 
 impl Registry {
@@ -63,6 +65,7 @@ impl Registry {
                         version: m.version,
                         instances,
                         model_file: spec.model_file.clone(),
+                        precision: opts.precision.unwrap_or(spec.precision),
                         policy: batch_policy(spec, opts.default_queue_size),
                         cache: spec.response_cache.then(|| opts.cache.clone()),
                         height: spec.height,
