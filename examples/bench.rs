@@ -9,7 +9,7 @@
 //!
 //! `--compare BIN_A BIN_B [--rounds N]` runs only 3b and 3d, alternating the two server
 //! binaries for N rounds (default 3), so a change is measured against its base in one run
-//! with the noise visible.
+//! with the noise visible; with each: the cores 3b kept busy and the peak RSS of it all.
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -180,8 +180,9 @@ async fn main() {
     println!(
         "\n3b. POST /predict, one request of {images} photos (small photos repeated), tuned server"
     );
-    let (rate, secs) = one_big_request(&server, &small, images).await;
+    let (rate, secs, busy) = one_big_request(&server, &small, images).await;
     println!("   {secs:.2} s, {rate:.1} images/s = {:.2}x the best model-only figure ({best:.1} images/s)", rate / best);
+    println!("   cores busy: {busy:.2} of {cores} (server CPU time / wall time)");
     println!("   server peak RSS: {:.0} MiB", server.peak_rss_mib());
     println!("\n3d. single-image requests (one small photo each)");
     println!(
@@ -210,7 +211,7 @@ async fn main() {
     ])
     .await;
     println!("\n3c. the same request handled naively (one batch of {images}, one instance, {cores} threads)");
-    let (naive, secs) = one_big_request(&server, &small, images).await;
+    let (naive, secs, _) = one_big_request(&server, &small, images).await;
     println!(
         "   {secs:.2} s, {naive:.1} images/s; visiongate is {:.2}x faster",
         rate / naive
@@ -228,11 +229,11 @@ async fn main() {
         "\n3f. the same request with response_cache enabled ({} distinct photos)",
         small.len()
     );
-    let (cold, secs) = one_big_request(&server, &small, images).await;
+    let (cold, secs, _) = one_big_request(&server, &small, images).await;
     println!(
         "   first time: {secs:.2} s, {cold:.1} images/s (repeats hit once their first copy ran)"
     );
-    let (warm, secs) = one_big_request(&server, &small, images).await;
+    let (warm, secs, _) = one_big_request(&server, &small, images).await;
     println!("   again:      {secs:.2} s, {warm:.1} images/s");
     print!("{}", server.metrics_summary().await);
 }
@@ -257,10 +258,12 @@ fn compare_args() -> Option<(Vec<PathBuf>, usize)> {
 async fn compare((bins, rounds): &(Vec<PathBuf>, usize), images: usize) {
     let small = photos("small");
     println!(
-        "{:<5} {:<28} {:>12} {:>22} {:>22} {:>22}",
+        "{:<5} {:<28} {:>12} {:>6} {:>7} {:>22} {:>22} {:>22}",
         "round",
         "binary",
         "3b img/s",
+        "cores",
+        "RSS MiB",
         "c=1 req/s p50 p99",
         "c=8 req/s p50 p99",
         "c=32 req/s p50 p99"
@@ -268,7 +271,7 @@ async fn compare((bins, rounds): &(Vec<PathBuf>, usize), images: usize) {
     for round in 1..=*rounds {
         for bin in bins {
             let server = Server::start_bin(bin, &[]).await;
-            let (rate, _) = one_big_request(&server, &small, images).await;
+            let (rate, _, busy) = one_big_request(&server, &small, images).await;
             let mut cells = Vec::new();
             for (concurrency, total) in [(1, 40), (8, 160), (32, 320)] {
                 let (rps, p50, p99) = single_image_load(&server, &small, concurrency, total).await;
@@ -278,8 +281,11 @@ async fn compare((bins, rounds): &(Vec<PathBuf>, usize), images: usize) {
                 .file_name()
                 .map_or(String::new(), |n| n.to_string_lossy().into());
             println!(
-                "{round:<5} {name:<28} {rate:>12.1} {:>22} {:>22} {:>22}",
-                cells[0], cells[1], cells[2]
+                "{round:<5} {name:<28} {rate:>12.1} {busy:>6.2} {:>7.0} {:>22} {:>22} {:>22}",
+                server.peak_rss_mib(),
+                cells[0],
+                cells[1],
+                cells[2]
             );
         }
     }
@@ -368,6 +374,24 @@ impl Server {
         self.rss_mib("VmHWM:")
     }
 
+    /// CPU time the server has used so far (user + system, every thread), in seconds.
+    fn cpu_seconds(&self) -> f64 {
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap_or_default();
+        // After the command name (which may hold spaces) in parentheses: fields 14 and 15
+        // of the line are utime and stime, in clock ticks.
+        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+        let ticks: f64 = after
+            .split_whitespace()
+            .skip(11)
+            .take(2)
+            .filter_map(|t| t.parse::<f64>().ok())
+            .sum();
+        // SAFETY: sysconf only reads a system constant.
+        let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        ticks / per_second
+    }
+
     /// A memory line of /proc/<pid>/status (`VmRSS:` now, `VmHWM:` the peak), in MiB.
     fn rss_mib(&self, field: &str) -> f64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
@@ -418,14 +442,16 @@ impl Drop for Server {
     }
 }
 
-async fn one_big_request(server: &Server, small: &[Vec<u8>], images: usize) -> (f64, f64) {
+/// One request of `images` photos: (images/s, seconds, cores the server kept busy: its
+/// CPU time over the request's wall time).
+async fn one_big_request(server: &Server, small: &[Vec<u8>], images: usize) -> (f64, f64, f64) {
     let mut form = reqwest::multipart::Form::new();
     for i in 0..images {
         let part = reqwest::multipart::Part::bytes(small[i % small.len()].clone())
             .file_name(format!("{i}.jpg"));
         form = form.part("files", part);
     }
-    let t = Instant::now();
+    let (t, cpu) = (Instant::now(), server.cpu_seconds());
     let resp = server
         .client
         .post(format!("{}/predict?top_k=1", server.base))
@@ -436,11 +462,12 @@ async fn one_big_request(server: &Server, small: &[Vec<u8>], images: usize) -> (
     assert!(resp.status().is_success(), "status {}", resp.status());
     let body: serde_json::Value = resp.json().await.unwrap();
     let secs = t.elapsed().as_secs_f64();
+    let busy = (server.cpu_seconds() - cpu) / secs;
     let ok = body["results"]
         .as_array()
         .map_or(0, |r| r.iter().filter(|x| x.get("label").is_some()).count());
     assert_eq!(ok, images, "every photo labelled");
-    (images as f64 / secs, secs)
+    (images as f64 / secs, secs, busy)
 }
 
 /// `total` single-photo requests from `concurrency` clients: (req/s, p50 ms, p99 ms).

@@ -8,8 +8,8 @@ GCompris ships its images inside Qt resource bundles (`.rcc`); this reads that f
 (header `qres`, a tree of entries, UTF-16 names, data optionally zlib-compressed), keeps
 the photos of the activities that use photographs, and reads each image folder's README
 (`Copyright:`, `Source:`, `License:`, `Files:` blocks) into SOURCES.md. Photos without a
-licence entry, or under a licence other than public domain, CC0 or CC-BY(-SA), are left
-out.
+licence entry or author, or under a licence other than public domain, CC0, CC-BY or
+CC-BY-SA, are left out.
 
     python scripts/registry_photos.py [--deb gcompris-qt-data_3.1-2_all.deb]
 
@@ -40,6 +40,10 @@ ACTIVITIES = [
     "explore_farm_animals",
 ]
 NOT_PHOTOS = {"alphabets", "numbers"}
+# Licences that allow redistribution with these tests, by attribution at most (share-alike
+# binds only the photos themselves, which are kept unchanged): public domain, CC0, CC-BY
+# and CC-BY-SA. Non-commercial and no-derivatives variants, and anything else, are left out.
+FREE = re.compile(r"(public domain|cc0(-1\.0)?|cc-by(-sa)?[- ][1234]\.0)")
 
 
 def rcc_files(path):
@@ -81,18 +85,20 @@ def readme_entries(text):
     """{file name: {copyright, source, license}} from a GCompris image README."""
     entries = {}
     for block in re.split(r"\n\s*\n", text):
-        fields, files, in_files = {}, [], False
+        fields, files, key = {}, [], None
         for line in block.splitlines():
             m = re.match(r"(Copyright|Source|License|Comments|Files):\s*(.*)", line)
             if m:
                 key, value = m.group(1).lower(), m.group(2).strip()
-                in_files = key == "files"
-                if in_files:
+                if key == "files":
                     files.extend(value.split())
                 else:
                     fields[key] = value
-            elif in_files:
+            elif key == "files":
                 files.extend(line.split())
+            elif key is not None and line.strip():
+                # A field's continuation line (a second author, a long source).
+                fields[key] = f"{fields[key]} {line.strip()}".strip()
         if "license" in fields:
             for f in files:
                 entries[f] = fields
@@ -139,23 +145,33 @@ def main():
             info = readmes.get("/".join(parts[:up]), {}).get(relative)
             if info is not None:
                 break
-        # Redistributable beside Apache-2.0 code without conditions beyond attribution.
-        if info is None or not re.search(r"(?i)public domain|cc0|cc-by", info["license"]):
+        licence = info["license"].strip().lower() if info else ""
+        if info is None or not FREE.fullmatch(licence) or not info.get("copyright"):
             skipped.append(name)
             continue
         group = folder.split("/")[-1]
         stored = f"{activity}-{group}-{file}" if group != "resource" else f"{activity}-{file}"
+        if (OUT / stored).exists():
+            raise SystemExit(f"two photos would be stored as {stored}")
         (OUT / stored).write_bytes(blob)
-        cells = [stored, info.get("copyright", ""), info.get("source", ""), info["license"]]
+        cells = [
+            stored,
+            info["copyright"],
+            info.get("source", ""),
+            info["license"],
+            info.get("comments", ""),
+        ]
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     with open(OUT / "SOURCES.md", "w") as f:
         f.write(
             f"# Registry photos\n\n{len(rows)} photos from Debian's `{PACKAGE}` (GCompris's "
             "data: images inside its Qt resource bundles), extracted by "
             "`scripts/registry_photos.py` with the author, source and licence its image "
-            "folders' READMEs give each file. GCompris resized and sharpened some of them "
-            "(its READMEs say so); they are used unchanged from the package.\n\n"
-            "| file | copyright | source | licence |\n| --- | --- | --- | --- |\n"
+            "folders' READMEs give each file. GCompris cropped, resized or sharpened some of "
+            "them (the last column, from its READMEs); they are used unchanged from the "
+            "package.\n\n"
+            "| file | copyright | source | licence | changes (GCompris's) |\n"
+            "| --- | --- | --- | --- | --- |\n"
         )
         f.write("\n".join(rows) + "\n")
     print(f"registry photos: {len(rows)} written to {OUT}, {len(skipped)} left out (no licence entry, or another licence)")

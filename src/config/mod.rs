@@ -374,13 +374,14 @@ pub enum Tf32 {
     Off,
 }
 
-/// The memory this process may use: the machine's, or its container's limit (cgroup v2,
-/// else v1) when lower. 4 GiB when neither can be read.
-/// `--precision`.
+/// `--precision` (any case, as the config parameter).
 fn precision(value: &str) -> Result<Precision, String> {
-    Precision::parse(value).ok_or_else(|| format!("'{value}': expected fp32, bf16 or fp16"))
+    Precision::parse(&value.trim().to_ascii_lowercase())
+        .ok_or_else(|| format!("'{value}': expected fp32, bf16 or fp16"))
 }
 
+/// The memory this process may use: the machine's, or its container's limit (cgroup v2,
+/// else v1) when lower. 4 GiB when neither can be read.
 fn memory_limit() -> u64 {
     let read =
         |path: &str| -> Option<u64> { std::fs::read_to_string(path).ok()?.trim().parse().ok() };

@@ -16,7 +16,8 @@ extern "C" {
     fn vg_cuda_event_record(event: *mut c_void, index: c_int) -> c_int;
     fn vg_cuda_event_synchronize(event: *mut c_void) -> c_int;
     fn vg_cuda_event_elapsed_ms(start: *mut c_void, end: *mut c_void, ms: *mut f64) -> c_int;
-    fn vg_autocast(cuda: c_int, precision: c_int) -> c_int;
+    fn vg_autocast_enter(cuda: c_int, precision: c_int, previous: *mut c_int) -> c_int;
+    fn vg_autocast_exit(cuda: c_int, previous: c_int) -> c_int;
 }
 
 fn last_error() -> String {
@@ -57,9 +58,11 @@ pub fn use_pool_stream(index: usize) -> Result<(), String> {
 }
 
 /// Autocast on the calling thread, on the CPU or on CUDA, while it lives: convolutions and
-/// matmuls run in `dtype` (float16 or bfloat16), the rest as torch.autocast keeps it.
+/// matmuls run in `dtype` (float16 or bfloat16), the rest as torch.autocast keeps it. On
+/// drop the thread's autocast state is what it was before.
 pub struct Autocast {
     cuda: bool,
+    previous: c_int,
 }
 
 impl Autocast {
@@ -69,17 +72,19 @@ impl Autocast {
             tch::Kind::BFloat16 => 2,
             other => return Err(format!("autocast to {other:?} is not supported")),
         };
-        // SAFETY: changes the calling thread's autocast settings only.
-        check(unsafe { vg_autocast(c_int::from(cuda), precision) })?;
-        Ok(Autocast { cuda })
+        let mut previous: c_int = -1;
+        // SAFETY: changes the calling thread's autocast settings only; `previous` is a
+        // valid pointer for the call.
+        check(unsafe { vg_autocast_enter(c_int::from(cuda), precision, &mut previous) })?;
+        Ok(Autocast { cuda, previous })
     }
 }
 
 impl Drop for Autocast {
     fn drop(&mut self) {
-        // SAFETY: as in `new`; turning autocast off cannot fail but for a libtorch bug,
-        // which the next `new` would report.
-        let _ = unsafe { vg_autocast(c_int::from(self.cuda), 0) };
+        // SAFETY: as in `new`. Restoring cannot fail but for a libtorch bug, which the
+        // next `new` would report.
+        let _ = unsafe { vg_autocast_exit(c_int::from(self.cuda), self.previous) };
     }
 }
 

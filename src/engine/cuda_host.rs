@@ -74,6 +74,27 @@ pub fn runtime_version() -> Option<i32> {
     }
 }
 
+/// The compute capability (major, minor) of CUDA device `index`, from the CUDA runtime
+/// libtorch loaded; `None` without one.
+pub fn compute_capability(index: usize) -> Option<(i32, i32)> {
+    // cudaDevAttrComputeCapabilityMajor and ...Minor.
+    const MAJOR: c_int = 75;
+    const MINOR: c_int = 76;
+    // SAFETY: as in `runtime_version`; the symbol has the runtime's signature
+    // `cudaError_t cudaDeviceGetAttribute(int*, cudaDeviceAttr, int)`.
+    unsafe {
+        let sym = libc::dlsym(libc::RTLD_DEFAULT, c"cudaDeviceGetAttribute".as_ptr());
+        if sym.is_null() {
+            return None;
+        }
+        let get: unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int = std::mem::transmute(sym);
+        let (mut major, mut minor): (c_int, c_int) = (0, 0);
+        let device = c_int::try_from(index).ok()?;
+        (get(&mut major, MAJOR, device) == 0 && get(&mut minor, MINOR, device) == 0)
+            .then_some((major, minor))
+    }
+}
+
 /// Starts the CUDA driver (`cuInit`) and reads its CUDA version.
 pub fn driver_state() -> DriverState {
     // SAFETY: dlopen/dlsym with constant names; the symbols have the driver API's

@@ -109,22 +109,37 @@ int vg_cuda_event_elapsed_ms(void* start, void* end, double* ms) {
   }
 }
 
-// Autocast for the calling thread on the CPU (`cuda` 0) or CUDA (`cuda` 1): `precision` 1
-// runs eligible ops (convolutions, matmuls) in float16, 2 in bfloat16, 0 turns it off
-// again (and drops the casts it cached), as torch.autocast's entry and exit do.
-int vg_autocast(int cuda, int precision) {
+// Autocast for the calling thread on the CPU (`cuda` 0) or CUDA (`cuda` 1), as
+// torch.autocast's entry: eligible ops (convolutions, matmuls) in float16 (`precision` 1)
+// or bfloat16 (2). `*previous` receives the state to give vg_autocast_exit: -1 when it was
+// off, else the dtype it had.
+int vg_autocast_enter(int cuda, int precision, int* previous) {
   try {
     auto device = cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
-    if (precision == 0) {
-      at::autocast::set_autocast_enabled(device, false);
-      if (at::autocast::decrement_nesting() == 0) {
-        at::autocast::clear_cache();
-      }
-      return 0;
-    }
+    *previous = at::autocast::is_autocast_enabled(device)
+                    ? static_cast<int>(at::autocast::get_autocast_dtype(device))
+                    : -1;
     at::autocast::set_autocast_dtype(device, precision == 1 ? at::kHalf : at::kBFloat16);
     at::autocast::set_autocast_enabled(device, true);
     at::autocast::increment_nesting();
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+// Puts back the state vg_autocast_enter found, and drops the casts autocast cached once
+// the outermost autocast ends, as torch.autocast's exit does.
+int vg_autocast_exit(int cuda, int previous) {
+  try {
+    auto device = cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+    if (previous >= 0) {
+      at::autocast::set_autocast_dtype(device, static_cast<at::ScalarType>(previous));
+    }
+    at::autocast::set_autocast_enabled(device, previous >= 0);
+    if (at::autocast::decrement_nesting() == 0) {
+      at::autocast::clear_cache();
+    }
     return 0;
   } catch (const std::exception& e) {
     return fail(e);

@@ -54,23 +54,30 @@ pub fn cpu_runs_bf16() -> bool {
     }
 }
 
-/// The autocast dtype of `precision` on `device`, or why the device cannot run it.
+/// The autocast dtype of `precision` on `device`, or why the device cannot run it
+/// natively (emulated, a reduced precision is slower than FP32: refused, not run).
 fn autocast_kind(precision: Precision, device: Device) -> Result<Option<Kind>, String> {
+    let set = "set the config's precision parameter, or --precision";
     match (precision, device) {
         (Precision::Fp32, _) => Ok(None),
-        (Precision::Bf16, Device::Cuda(_)) => Ok(Some(Kind::BFloat16)),
         (Precision::Fp16, Device::Cuda(_)) => Ok(Some(Kind::Half)),
+        (Precision::Bf16, Device::Cuda(i)) => match super::cuda_host::compute_capability(i) {
+            Some((major, minor)) if major < 8 => Err(format!(
+                "precision bf16 needs a GPU of compute capability 8.0 (Ampere) or newer; GPU \
+                 {i} is {major}.{minor}: use fp16 or fp32 ({set})"
+            )),
+            _ => Ok(Some(Kind::BFloat16)),
+        },
         (Precision::Bf16, _) if cpu_runs_bf16() => Ok(Some(Kind::BFloat16)),
-        (Precision::Bf16, _) => Err(
-            "precision bf16 on the CPU needs AVX-512 BF16 or AMX, which \
-             this CPU lacks: use fp32 (the config's precision parameter, or --precision=fp32)"
-                .into(),
-        ),
-        (Precision::Fp16, _) => Err(
-            "precision fp16 runs on GPUs only: on the CPU use bf16 (with \
-             AVX-512 BF16 or AMX) or fp32 (the config's precision parameter, or --precision)"
-                .into(),
-        ),
+        (Precision::Bf16, _) => Err(format!(
+            "precision bf16 on the CPU needs AVX-512 BF16 or AMX, which this CPU lacks: use \
+             fp32 ({set}, e.g. --precision=fp32)"
+        )),
+        (Precision::Fp16, _) => Err(format!(
+            "precision fp16 runs on GPUs only, and this instance runs on the CPU (a KIND_GPU \
+             group without a usable GPU falls back to it): use bf16 (CPUs with AVX-512 BF16 \
+             or AMX) or fp32 ({set})"
+        )),
     }
 }
 
@@ -120,6 +127,9 @@ impl TorchEngine {
         let mut module =
             CModule::load_on_device(path, device).map_err(|e| load_error(e.to_string()))?;
         module.set_eval();
+        if let Some(kind) = autocast {
+            tracing::info!(model = shown, %precision, ?device, autocast = ?kind, "reduced precision");
+        }
         Ok(Self {
             module,
             device,

@@ -1,7 +1,8 @@
-"""Fidelity of each reduced precision (`--precision`, or a classifier's `precision`
-parameter): /predict at that precision against /predict at FP32 (the same pixels, so the
-difference is the precision's alone) and against the Python reference pipeline, on the
-40 test photos and the registry photos (tests/fixtures/photos/registry, 243 more).
+"""Fidelity of bf16, the reduced precision a CPU can run (a classifier's `precision`
+parameter; `--precision` overrides it): /predict in bf16 against /predict in FP32 (the same
+pixels, so the difference is the precision's alone) and against the Python reference
+pipeline, on the 40 test photos and the registry photos (tests/fixtures/photos/registry,
+243 more). fp16 runs on GPUs only and is not measured here.
 
 Near-ties (FP32's top two probabilities less than 0.02 apart) are reported separately:
 there a flip is a coin toss, not an error. A precision is recommended at >= 99% top-1
@@ -10,6 +11,7 @@ test-artifacts/precision-fidelity.json and the README's table.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -65,22 +67,62 @@ def compare(ours, fp32, python_ref, paths):
     }
 
 
-def test_bf16_agrees_with_fp32_on_99_percent_near_ties_excused(server):
-    if not cpu_runs_bf16():
+def bf16_repository(tmp_path):
+    """The bundled repository with `precision: bf16` in the classifier's config (the model
+    file linked, not copied)."""
+    repo = tmp_path / "models"
+    shutil.copytree(ROOT / "models", repo, ignore=shutil.ignore_patterns("model.pt"))
+    model = ROOT / "models" / "classifier" / "1" / "model.pt"
+    (repo / "classifier" / "1" / "model.pt").symlink_to(model)
+    config = repo / "classifier" / "config.pbtxt"
+    config.write_text(
+        config.read_text() + '\nparameters { key: "precision" value: { string_value: "bf16" } }\n'
+    )
+    return repo
+
+
+def devices(server):
+    """Where the server's classifier instances run (`cpu`, `cuda:N`)."""
+    meta = requests.get(server.base + "/v2/models/classifier", timeout=10).json()
+    return {i["device"] for i in meta["instances"]}
+
+
+def test_bf16_agrees_with_fp32_on_99_percent_near_ties_excused(server, tmp_path):
+    repo = bf16_repository(tmp_path)
+    args = ("--model-repository", str(repo))
+    if devices(server) == {"cpu"} and not cpu_runs_bf16():
         # Where the CPU cannot run it, the model's load fails saying so.
-        with pytest.raises(RuntimeError, match="AVX-512 BF16"):
-            Server("--precision=bf16")
-        return
+        try:
+            s = Server(*args, repository=False)
+        except RuntimeError as e:
+            assert "AVX-512 BF16" in str(e), e
+            return
+        s.stop()
+        pytest.fail("bf16 loaded on a CPU without AVX-512 BF16 or AMX")
     paths = photos()
     assert len(paths) >= 280
     fp32 = predict(server, paths)
     python_ref = reference.classify([str(p) for p in paths], str(ROOT / "models"))
-    s = Server("--precision=bf16")
+    # The config's precision parameter...
+    s = Server(*args, repository=False)
     try:
         bf16 = predict(s, paths)
+        assert "reduced precision" in s.log_path.read_text()
     finally:
         s.stop()
+    # ...and --precision over it.
+    s = Server(*args, "--precision=FP32", repository=False)
+    try:
+        overridden = predict(s, paths)
+        assert "reduced precision" not in s.log_path.read_text()
+    finally:
+        s.stop()
+    # FP32 again: the same classes, and scores as close as two FP32 servers' (rows batched
+    # differently round differently), far closer than bf16's.
+    assert [x["class_id"] for x in overridden] == [x["class_id"] for x in fp32]
+    assert max(abs(o["score"] - f["score"]) for o, f in zip(overridden, fp32)) < 1e-4
     report = {
+        "devices": sorted(devices(server)),
         "fp32": compare(fp32, fp32, python_ref, paths),
         "bf16": compare(bf16, fp32, python_ref, paths),
     }
