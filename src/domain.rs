@@ -163,10 +163,12 @@ impl Precision {
         }
     }
 
+    /// `fp32`, `bf16` or `fp16`, in any case, spaces around ignored.
     pub fn parse(text: &str) -> Option<Precision> {
+        let text = text.trim();
         [Precision::Fp32, Precision::Bf16, Precision::Fp16]
             .into_iter()
-            .find(|p| p.as_str() == text)
+            .find(|p| p.as_str().eq_ignore_ascii_case(text))
     }
 }
 

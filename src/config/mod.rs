@@ -376,8 +376,7 @@ pub enum Tf32 {
 
 /// `--precision` (any case, as the config parameter).
 fn precision(value: &str) -> Result<Precision, String> {
-    Precision::parse(&value.trim().to_ascii_lowercase())
-        .ok_or_else(|| format!("'{value}': expected fp32, bf16 or fp16"))
+    Precision::parse(value).ok_or_else(|| format!("'{value}': expected fp32, bf16 or fp16"))
 }
 
 /// The memory this process may use: the machine's, or its container's limit (cgroup v2,

@@ -453,8 +453,7 @@ fn precision(model: &str, c: &pb::ModelConfig) -> Result<Precision, RepositoryEr
     let Some(p) = c.parameters.get("precision") else {
         return Ok(Precision::Fp32);
     };
-    let text = p.string_value.trim().to_ascii_lowercase();
-    Precision::parse(&text).ok_or_else(|| {
+    Precision::parse(&p.string_value).ok_or_else(|| {
         invalid(
             model,
             "parameters[precision]",
