@@ -3,8 +3,8 @@
 # Build stage: the README's set-up (scripts/setup.sh) without the test tools, in layers
 # that change at different rates: the venv with the torch wheel (libtorch and its CUDA
 # libraries) only when scripts/requirements.txt changes, the model export only when the
-# exporter or the model repository changes, then the release binary, which links
-# libtorch_cuda.so on purpose. A source change re-runs only the last step, an incremental
+# exporter or the model repository changes, then the release binary (which opens
+# libtorch_cuda.so at start where the NVIDIA driver is). A source change re-runs only the last step, an incremental
 # cargo build (cargo's registry and target directory live in cache mounts).
 FROM rust:1-bookworm AS build
 RUN apt-get update \

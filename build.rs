@@ -68,10 +68,11 @@ fn model_config_types() -> Vec<String> {
     names
 }
 
-/// torch-sys links libtorch but leaves two gaps (see ARCHITECTURE.md):
-/// - nothing puts libtorch on the run-time search path: add an rpath to its lib dir;
-/// - rustc links with `--as-needed`, which drops `libtorch_cuda.so` because no symbol
-///   of it is referenced directly, so CUDA would never register. Link it on purpose.
+/// torch-sys links libtorch but leaves a gap (see ARCHITECTURE.md): nothing puts libtorch
+/// on the run-time search path, so add an rpath to its lib dir. Neither `libtorch.so`
+/// nor `libtorch_cuda.so` (which `libtorch.so` names) is linked, as rustc's `--as-needed`
+/// leaves them out: the binary opens `libtorch_cuda.so` at run time on hosts with the
+/// NVIDIA driver (`engine::cuda_host::cuda_support`).
 fn link_libtorch() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     let Ok(dir) = env::var("DEP_TCH_LIBTORCH_LIB") else {
@@ -80,12 +81,6 @@ fn link_libtorch() {
     // Resolve the `.libtorch` link so the binary keeps working from any checkout.
     let dir = std::fs::canonicalize(&dir).unwrap_or_else(|_| PathBuf::from(&dir));
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", dir.display());
-    println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
-    if dir.join("libtorch_cuda.so").exists() {
-        println!("cargo:rustc-link-arg=-ltorch_cuda");
-    }
-    println!("cargo:rustc-link-arg=-ltorch");
-    println!("cargo:rustc-link-arg=-Wl,--as-needed");
 }
 
 /// `src/engine/cuda_shim.cpp`: the few libtorch calls tch does not expose (TF32, a stream

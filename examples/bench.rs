@@ -1,11 +1,19 @@
 //! Benchmarks, all in one run (figures, not assertions):
-//!   1. model-only forward throughput on preprocessed f32 tensors (batch sizes × layouts)
+//!   1. model-only forward throughput on preprocessed f32 tensors (precisions x batch sizes x
+//!      layouts)
 //!   2. decode + resize throughput on the test photos (small / medium / large, 1 and N threads)
-//!   3. the real server binary: (b) one `/predict` request of 1000 photos (the small photos
-//!      repeated) and its peak RSS, (d) single-image requests at concurrency 1, 8 and 32,
-//!      (c) the same 1000-photo request handled naively (one batch, one instance)
+//!   3. the real server binary, side by side for each precision this CPU runs (FP32, and
+//!      bf16 where it has AVX-512 BF16 or AMX), alternating for `--rounds` rounds (default 2)
+//!      so the noise shows: (b) one `/predict` request of 1000 photos (small and medium ones
+//!      with one in 20 of 9 to 24 MP) with the cores the server kept busy, (d) single-image
+//!      requests at concurrency 1, 8 and 32, and the server's peak RSS over both; then (c)
+//!      the same request handled naively (one batch, one instance, FP32) and (f)
+//!      with the response cache
+//!   4. a report: `report.md`, `report.json` and `report.png` (a plot drawn by
+//!      `scripts/bench_plot.py` with the venv's matplotlib) in `--report DIR`
+//!      (default `test-artifacts/bench`)
 //!
-//! `make bench` (or `cargo run --release --example bench -- [--images 1000]`).
+//! `make bench` (or `cargo run --release --example bench -- [--images 1000] [--rounds 2]`).
 //!
 //! `--compare BIN_A BIN_B [--rounds N]` runs only 3b and 3d, alternating the two server
 //! binaries for N rounds (default 3), so a change is measured against its base in one run
@@ -14,6 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use serde_json::json;
 use visiongate::domain::Precision;
 use visiongate::engine::{cpu_runs_bf16, BatchInput, Engine, OutputRequest, TorchEngine};
 use visiongate::preprocess::{decode_into, DecodeBudget, PreprocessSettings};
@@ -112,11 +121,7 @@ fn decode(files: &[Vec<u8>], threads: usize, min_side: u32, rounds: usize) -> f6
 
 #[tokio::main]
 async fn main() {
-    let images: usize = std::env::args()
-        .skip_while(|a| a != "--images")
-        .nth(1)
-        .map(|v| v.parse().expect("--images N"))
-        .unwrap_or(1000);
+    let images = arg_value("--images").unwrap_or(1000);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     if let Some(bins) = compare_args() {
         return compare(&bins, images).await;
@@ -171,52 +176,83 @@ async fn main() {
     }
 
     let small = photos("small");
-    let server = Server::start(&[]).await;
+    let mixed = mixed_photos();
+    let rounds = arg_value("--rounds").unwrap_or(2);
     println!(
-        "\n   server RSS once ready (warm-up done, no request yet): {:.0} MiB (peak {:.0} MiB)",
-        server.rss_mib("VmRSS:"),
-        server.peak_rss_mib()
+        "\n3. the server, one process per precision, alternating for {rounds} round(s):\n   \
+         b: one /predict request of {images} photos ({}), d: single-image requests (one \
+         small photo each), peak RSS over both",
+        mixed_description(&mixed)
     );
     println!(
-        "\n3b. POST /predict, one request of {images} photos (small photos repeated), tuned server"
+        "   {:<5} {:<9} {:>9} {:>12} {:>6} {:>22} {:>22} {:>22} {:>9}",
+        "round",
+        "precision",
+        "ready MiB",
+        "b images/s",
+        "cores",
+        "d c=1 req/s p50 p99",
+        "c=8 req/s p50 p99",
+        "c=32 req/s p50 p99",
+        "peak MiB"
     );
-    let (rate, secs, busy) = one_big_request(&server, &small, images).await;
-    println!("   {secs:.2} s, {rate:.1} images/s = {:.2}x the best model-only figure ({best:.1} images/s)", rate / best);
-    println!("   cores busy: {busy:.2} of {cores} (server CPU time / wall time)");
-    println!("   server peak RSS: {:.0} MiB", server.peak_rss_mib());
-    println!("\n3d. single-image requests (one small photo each)");
-    println!(
-        "   {:>11} {:>9} {:>9} {:>9}",
-        "concurrency", "req/s", "p50 ms", "p99 ms"
-    );
-    for (concurrency, total) in [(1, 40), (8, 160), (32, 320)] {
-        let (rps, p50, p99) = single_image_load(&server, &small, concurrency, total).await;
-        println!("   {concurrency:>11} {rps:>9.1} {p50:>9.1} {p99:>9.1}");
+    let mut runs = Vec::new();
+    let mut metrics = String::new();
+    for round in 1..=rounds {
+        for &precision in &precisions {
+            let flag = format!("--precision={precision}");
+            let server = Server::start(&[&flag]).await;
+            let ready_mib = server.rss_mib("VmRSS:");
+            let (rate, _, busy) = one_big_request(&server, &mixed, images).await;
+            let mut single = Vec::new();
+            for (concurrency, total) in SINGLE_LOADS {
+                single.push(single_image_load(&server, &small, concurrency, total).await);
+            }
+            let run = Run {
+                round,
+                precision,
+                ready_mib,
+                rate,
+                busy,
+                single,
+                peak_mib: server.peak_rss_mib(),
+            };
+            println!("   {}", run.row());
+            runs.push(run);
+            if round == rounds && precision == Precision::Fp32 {
+                metrics = server.metrics_summary().await;
+            }
+        }
     }
-    println!(
-        "   server peak RSS after all of it: {:.0} MiB",
-        server.peak_rss_mib()
-    );
-    print!("{}", server.metrics_summary().await);
-    drop(server);
+    let summary = Summary::of(&runs, &precisions, best);
+    print!("{}", summary.text());
+    print!("   FP32, last round: {}", metrics.trim_start());
 
     // The naive way: the whole upload as one batch on one instance with libtorch's default
     // threads (what the seed pipeline does with a 1000-image upload).
+    // Its one batch of the whole request takes gigabytes while it runs: memory freed goes
+    // back to the system at once, so that its peak is what the batch holds, not retention.
     let naive_repo = naive_repository(images);
-    let server = Server::start(&[
-        "--model-repository",
-        naive_repo.to_str().unwrap(),
-        "--intra-op-threads",
-        &cores.to_string(),
-    ])
+    let server = Server::start_env(
+        &[
+            "--model-repository",
+            naive_repo.to_str().unwrap(),
+            "--intra-op-threads",
+            &cores.to_string(),
+            "--precision=fp32",
+        ],
+        &[("MALLOC_CONF", "dirty_decay_ms:0")],
+    )
     .await;
-    println!("\n3c. the same request handled naively (one batch of {images}, one instance, {cores} threads)");
-    let (naive, secs, _) = one_big_request(&server, &small, images).await;
+    println!("\n3c. the same request handled naively (one batch of {images}, one instance, {cores} threads, FP32)");
+    let (naive, secs, naive_busy) = one_big_request(&server, &mixed, images).await;
+    let naive_peak = server.peak_rss_mib();
+    let fp32_rate = summary.median(Precision::Fp32, |r| r.rate);
     println!(
-        "   {secs:.2} s, {naive:.1} images/s; visiongate is {:.2}x faster",
-        rate / naive
+        "   {secs:.2} s, {naive:.1} images/s, cores busy {naive_busy:.2}; visiongate FP32 is {:.2}x faster",
+        fp32_rate / naive
     );
-    println!("   naive server peak RSS: {:.0} MiB", server.peak_rss_mib());
+    println!("   naive server peak RSS: {naive_peak:.0} MiB");
     drop(server);
 
     // The response cache: the same request with `response_cache` enabled (the small
@@ -226,7 +262,7 @@ async fn main() {
     });
     let server = Server::start(&["--model-repository", cache_repo.to_str().unwrap()]).await;
     println!(
-        "\n3f. the same request with response_cache enabled ({} distinct photos)",
+        "\n3f. a request of {images} small photos with response_cache enabled ({} distinct photos)",
         small.len()
     );
     let (cold, secs, _) = one_big_request(&server, &small, images).await;
@@ -235,7 +271,316 @@ async fn main() {
     );
     let (warm, secs, _) = one_big_request(&server, &small, images).await;
     println!("   again:      {secs:.2} s, {warm:.1} images/s");
-    print!("{}", server.metrics_summary().await);
+    drop(server);
+
+    let dir = std::env::args()
+        .skip_while(|a| a != "--report")
+        .nth(1)
+        .map_or_else(|| root().join("test-artifacts/bench"), PathBuf::from);
+    write_report(
+        &dir,
+        &json!({
+            "cores": cores,
+            "images": images,
+            "photos": mixed_description(&mixed),
+            "model_only_best_fp32": best,
+            "runs": runs.iter().map(Run::json).collect::<Vec<_>>(),
+            "summary": summary.json(),
+            "naive": {"images_per_s": naive, "cores_busy": naive_busy, "peak_rss_mib": naive_peak},
+            "response_cache": {"first_images_per_s": cold, "again_images_per_s": warm},
+        }),
+        &summary,
+        naive,
+    );
+}
+
+/// The single-image loads of 3d: (concurrency, requests).
+const SINGLE_LOADS: [(usize, usize); 3] = [(1, 60), (8, 320), (32, 960)];
+
+/// One server process's figures in 3b and 3d.
+struct Run {
+    round: usize,
+    precision: Precision,
+    ready_mib: f64,
+    /// 3b: images/s and cores busy.
+    rate: f64,
+    busy: f64,
+    /// 3d: (req/s, p50 ms, p99 ms) for each of `SINGLE_LOADS`.
+    single: Vec<(f64, f64, f64)>,
+    /// Over 3b and 3d, start-up included.
+    peak_mib: f64,
+}
+
+impl Run {
+    fn row(&self) -> String {
+        let cells: Vec<String> = self
+            .single
+            .iter()
+            .map(|(rps, p50, p99)| format!("{rps:>8.1} {p50:>6.1} {p99:>6.1}"))
+            .collect();
+        format!(
+            "{:<5} {:<9} {:>9.0} {:>12.1} {:>6.2} {:>22} {:>22} {:>22} {:>9.0}",
+            self.round,
+            self.precision,
+            self.ready_mib,
+            self.rate,
+            self.busy,
+            cells[0],
+            cells[1],
+            cells[2],
+            self.peak_mib
+        )
+    }
+
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "round": self.round,
+            "precision": self.precision.to_string(),
+            "ready_rss_mib": self.ready_mib,
+            "request_images_per_s": self.rate,
+            "cores_busy": self.busy,
+            "single": SINGLE_LOADS.iter().zip(&self.single).map(|((c, _), (rps, p50, p99))| {
+                json!({"concurrency": c, "req_per_s": rps, "p50_ms": p50, "p99_ms": p99})
+            }).collect::<Vec<_>>(),
+            "peak_rss_mib": self.peak_mib,
+        })
+    }
+}
+
+/// The runs of 3b/3d per precision: medians, ranges, and bf16 against FP32.
+struct Summary<'a> {
+    runs: &'a [Run],
+    precisions: Vec<Precision>,
+    best_model_only: f64,
+}
+
+impl<'a> Summary<'a> {
+    fn of(runs: &'a [Run], precisions: &[Precision], best_model_only: f64) -> Self {
+        Summary {
+            runs,
+            precisions: precisions.to_vec(),
+            best_model_only,
+        }
+    }
+
+    fn values(&self, precision: Precision, f: impl Fn(&Run) -> f64) -> Vec<f64> {
+        let mut v: Vec<f64> = self
+            .runs
+            .iter()
+            .filter(|r| r.precision == precision)
+            .map(f)
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v
+    }
+
+    fn median(&self, precision: Precision, f: impl Fn(&Run) -> f64) -> f64 {
+        let v = self.values(precision, f);
+        match v.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        }
+    }
+
+    fn range(&self, precision: Precision, f: impl Fn(&Run) -> f64) -> (f64, f64) {
+        let v = self.values(precision, f);
+        (
+            v.first().copied().unwrap_or(f64::NAN),
+            v.last().copied().unwrap_or(f64::NAN),
+        )
+    }
+
+    fn c32(r: &Run) -> f64 {
+        r.single[2].0
+    }
+
+    fn peak(&self) -> f64 {
+        self.runs.iter().map(|r| r.peak_mib).fold(0.0, f64::max)
+    }
+
+    fn text(&self) -> String {
+        let mut out = String::from("   per precision (median, range over the rounds):\n");
+        for &p in &self.precisions {
+            let (lo, hi) = self.range(p, |r| r.rate);
+            let (blo, bhi) = self.range(p, |r| r.busy);
+            let (clo, chi) = self.range(p, Self::c32);
+            let (plo, phi) = self.range(p, |r| r.peak_mib);
+            out.push_str(&format!(
+                "   {p:<5} b {:.1} images/s ({lo:.1}-{hi:.1}; {:.2}x the best FP32 model-only), \
+                 cores busy {blo:.2}-{bhi:.2}; d c=32 {:.1} req/s ({clo:.1}-{chi:.1}); peak RSS {plo:.0}-{phi:.0} MiB\n",
+                self.median(p, |r| r.rate),
+                self.median(p, |r| r.rate) / self.best_model_only,
+                self.median(p, Self::c32),
+            ));
+        }
+        if let Some((big, c32)) = self.bf16_gain() {
+            out.push_str(&format!(
+                "   bf16 / FP32 (medians): the large request {big:.2}x, single-image c=32 {c32:.2}x\n"
+            ));
+        }
+        out.push_str(&format!(
+            "   peak RSS of any server above: {:.0} MiB\n",
+            self.peak()
+        ));
+        out
+    }
+
+    /// bf16's medians over FP32's: (3b images/s, 3d c=32 req/s).
+    fn bf16_gain(&self) -> Option<(f64, f64)> {
+        self.precisions.contains(&Precision::Bf16).then(|| {
+            (
+                self.median(Precision::Bf16, |r| r.rate) / self.median(Precision::Fp32, |r| r.rate),
+                self.median(Precision::Bf16, Self::c32) / self.median(Precision::Fp32, Self::c32),
+            )
+        })
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let per: serde_json::Map<String, serde_json::Value> = self
+            .precisions
+            .iter()
+            .map(|&p| {
+                (
+                    p.to_string(),
+                    json!({
+                        "request_images_per_s": self.median(p, |r| r.rate),
+                        "cores_busy_min": self.range(p, |r| r.busy).0,
+                        "c32_req_per_s": self.median(p, Self::c32),
+                        "peak_rss_mib_max": self.range(p, |r| r.peak_mib).1,
+                    }),
+                )
+            })
+            .collect();
+        json!({
+            "per_precision": per,
+            "bf16_over_fp32": self.bf16_gain().map(|(big, c32)| json!({"request": big, "c32": c32})),
+            "peak_rss_mib": self.peak(),
+        })
+    }
+}
+
+/// `report.json`, `report.md`, and `report.png` from `scripts/bench_plot.py`.
+fn write_report(dir: &Path, report: &serde_json::Value, summary: &Summary, naive: f64) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(
+        dir.join("report.json"),
+        serde_json::to_string_pretty(report).unwrap(),
+    )
+    .unwrap();
+    let mut md = format!(
+        "# visiongate benchmark\n\n{} cores; one /predict request of {} photos ({}); \
+         single-image requests of one small photo.\n\n\
+         | round | precision | ready RSS MiB | large request images/s | cores busy | c=1 req/s | c=8 req/s | c=32 req/s | peak RSS MiB |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
+        report["cores"], report["images"], report["photos"].as_str().unwrap_or("")
+    );
+    for r in summary.runs {
+        md.push_str(&format!(
+            "| {} | {} | {:.0} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} | {:.0} |\n",
+            r.round,
+            r.precision,
+            r.ready_mib,
+            r.rate,
+            r.busy,
+            r.single[0].0,
+            r.single[1].0,
+            r.single[2].0,
+            r.peak_mib
+        ));
+    }
+    md.push_str(&format!(
+        "\nNaive (one batch of the whole request, one instance, FP32): {naive:.1} images/s.\n\n```\n{}```\n\n![plot](report.png)\n",
+        summary.text()
+    ));
+    std::fs::write(dir.join("report.md"), md).unwrap();
+    let python = std::env::var("VISIONGATE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let plot = std::process::Command::new(&python)
+        .arg(root().join("scripts/bench_plot.py"))
+        .arg(dir.join("report.json"))
+        .arg(dir.join("report.png"))
+        .status();
+    match plot {
+        Ok(s) if s.success() => println!("\n4. report: {}/report.{{md,json,png}}", dir.display()),
+        other => println!(
+            "\n4. report: {}/report.{{md,json}}; no plot: {python} scripts/bench_plot.py {} \
+             (it needs the venv's matplotlib: `make bench` sets VISIONGATE_PYTHON)",
+            dir.display(),
+            other.map_or_else(|e| e.to_string(), |s| s.to_string())
+        ),
+    }
+}
+
+/// The value after `name` on the command line.
+fn arg_value(name: &str) -> Option<usize> {
+    std::env::args()
+        .skip_while(|a| a != name)
+        .nth(1)
+        .map(|v| v.parse().unwrap_or_else(|_| panic!("{name} N")))
+}
+
+/// The photos of 3b, in a cycle of 80: the fixtures' 26 small and 12 medium photos twice
+/// each, and four large ones spread among them: the two 12 MP mosaics, a 9 MP crop of one
+/// and a 24 MP pair of both side by side (made here, JPEG quality 90). One photo in 20 is
+/// 9 to 24 MP.
+fn mixed_photos() -> Vec<Vec<u8>> {
+    let (small, medium, large) = (photos("small"), photos("medium"), photos("large"));
+    let decoded: Vec<image::RgbImage> = large
+        .iter()
+        .map(|f| image::load_from_memory(f).unwrap().to_rgb8())
+        .collect();
+    let jpeg = |img: &image::RgbImage| {
+        let mut out = Vec::new();
+        image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, 90)
+            .encode_image(img)
+            .unwrap();
+        out
+    };
+    let (a, b) = (&decoded[0], &decoded[1]);
+    let nine = image::imageops::crop_imm(a, 0, 0, 3464, 2600).to_image();
+    let mut pair = image::RgbImage::new(a.width() + b.width(), a.height().max(b.height()));
+    image::imageops::replace(&mut pair, a, 0, 0);
+    image::imageops::replace(&mut pair, b, i64::from(a.width()), 0);
+    let big = [jpeg(&nine), large[0].clone(), large[1].clone(), jpeg(&pair)];
+    let rest: Vec<&Vec<u8>> = small
+        .iter()
+        .chain(&medium)
+        .chain(&small)
+        .chain(&medium)
+        .collect();
+    let mut out = Vec::new();
+    for (i, chunk) in rest.chunks(rest.len().div_ceil(big.len())).enumerate() {
+        out.push(big[i].clone());
+        out.extend(chunk.iter().map(|f| (*f).clone()));
+    }
+    out
+}
+
+/// What `mixed_photos` holds, in words.
+fn mixed_description(mixed: &[Vec<u8>]) -> String {
+    let mut counts = [0usize; 3];
+    for f in mixed {
+        let (w, h) = image::ImageReader::new(std::io::Cursor::new(f))
+            .with_guessed_format()
+            .unwrap()
+            .into_dimensions()
+            .unwrap();
+        let mp = f64::from(w) * f64::from(h) / 1e6;
+        counts[if mp >= 9.0 {
+            2
+        } else if mp >= 1.0 {
+            1
+        } else {
+            0
+        }] += 1;
+    }
+    format!(
+        "cycles of {}: {} small (about 0.2 MP), {} medium (1.3-2.5 MP), {} of 9-24 MP",
+        mixed.len(),
+        counts[0],
+        counts[1],
+        counts[2]
+    )
 }
 
 /// `--compare A B` and `--rounds N`.
@@ -247,16 +592,13 @@ fn compare_args() -> Option<(Vec<PathBuf>, usize)> {
         .take_while(|a| !a.starts_with("--"))
         .map(PathBuf::from)
         .collect();
-    let rounds = args
-        .iter()
-        .position(|a| a == "--rounds")
-        .map_or(3, |i| args[i + 1].parse().expect("--rounds N"));
-    Some((bins, rounds))
+    Some((bins, arg_value("--rounds").unwrap_or(3)))
 }
 
 /// 3b and 3d for each binary, alternating, `rounds` times.
 async fn compare((bins, rounds): &(Vec<PathBuf>, usize), images: usize) {
     let small = photos("small");
+    let mixed = mixed_photos();
     println!(
         "{:<5} {:<28} {:>12} {:>6} {:>7} {:>22} {:>22} {:>22}",
         "round",
@@ -270,10 +612,10 @@ async fn compare((bins, rounds): &(Vec<PathBuf>, usize), images: usize) {
     );
     for round in 1..=*rounds {
         for bin in bins {
-            let server = Server::start_bin(bin, &[]).await;
-            let (rate, _, busy) = one_big_request(&server, &small, images).await;
+            let server = Server::start_bin(bin, &[], &[]).await;
+            let (rate, _, busy) = one_big_request(&server, &mixed, images).await;
             let mut cells = Vec::new();
-            for (concurrency, total) in [(1, 40), (8, 160), (32, 320)] {
+            for (concurrency, total) in SINGLE_LOADS {
                 let (rps, p50, p99) = single_image_load(&server, &small, concurrency, total).await;
                 cells.push(format!("{rps:>8.1} {p50:>6.1} {p99:>6.1}"));
             }
@@ -309,6 +651,10 @@ fn free_port() -> u16 {
 
 impl Server {
     async fn start(args: &[&str]) -> Server {
+        Self::start_env(args, &[]).await
+    }
+
+    async fn start_env(args: &[&str], env: &[(&str, &str)]) -> Server {
         let bin = std::env::var("VISIONGATE_BIN")
             .map(PathBuf::from)
             .unwrap_or_else(|_| {
@@ -320,10 +666,10 @@ impl Server {
                     .unwrap()
                     .join("visiongate")
             });
-        Self::start_bin(&bin, args).await
+        Self::start_bin(&bin, args, env).await
     }
 
-    async fn start_bin(bin: &Path, args: &[&str]) -> Server {
+    async fn start_bin(bin: &Path, args: &[&str], env: &[(&str, &str)]) -> Server {
         let (port, metrics_port) = (free_port(), free_port());
         let repo = root().join("models");
         let mut cmd = std::process::Command::new(bin);
@@ -336,6 +682,7 @@ impl Server {
             &metrics_port.to_string(),
         ])
         .args(args)
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
         if !args.contains(&"--model-repository") {
@@ -442,12 +789,12 @@ impl Drop for Server {
     }
 }
 
-/// One request of `images` photos: (images/s, seconds, cores the server kept busy: its
-/// CPU time over the request's wall time).
-async fn one_big_request(server: &Server, small: &[Vec<u8>], images: usize) -> (f64, f64, f64) {
+/// One request of `images` photos (`photos` repeated): (images/s, seconds, cores the
+/// server kept busy: its CPU time over the request's wall time).
+async fn one_big_request(server: &Server, photos: &[Vec<u8>], images: usize) -> (f64, f64, f64) {
     let mut form = reqwest::multipart::Form::new();
     for i in 0..images {
-        let part = reqwest::multipart::Part::bytes(small[i % small.len()].clone())
+        let part = reqwest::multipart::Part::bytes(photos[i % photos.len()].clone())
             .file_name(format!("{i}.jpg"));
         form = form.part("files", part);
     }

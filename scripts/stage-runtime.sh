@@ -10,15 +10,20 @@ cd "$VG_ROOT"
 dest=${1:?usage: stage-runtime.sh DEST}
 mkdir -p "$dest"
 
-# Every library the dynamic loader resolves for the binary (libtorch, libtorch_cuda and
+# Every library the dynamic loader resolves for the binary (libtorch) and for
+# libtorch_cuda, which the binary opens at start on a host with the NVIDIA driver (with
 # the CUDA libraries they name), plus what libtorch loads only when it runs on a GPU:
 # cuDNN's engine libraries and NVRTC's builtins (dlopen, so ldd cannot see them). The
 # host's NVIDIA driver (libcuda) is not among them. libtorch_cuda_linalg (linear algebra
 # on the GPU, loaded on first use) and profiler libraries are left out.
-libs=$(ldd "$VG_BIN" | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | xargs realpath | grep -F "$(realpath "$VG_VENV")/" || true)
+loaded=("$VG_BIN")
+cuda=$LIBTORCH/lib/libtorch_cuda.so
+[[ -e $cuda ]] && loaded+=("$cuda")
+libs=$( (ldd "${loaded[@]}" | awk '$2 == "=>" && $3 ~ /^\// {print $3}'; [[ -e $cuda ]] && echo "$cuda") \
+  | xargs realpath | grep -F "$(realpath "$VG_VENV")/" || true)
 [[ -n $libs ]] || { echo "stage-runtime: ldd found no libraries under $VG_VENV" >&2; exit 1; }
-if ldd "$VG_BIN" | grep -q 'not found'; then
-  ldd "$VG_BIN" | grep 'not found' >&2
+if ldd "${loaded[@]}" | grep -q 'not found'; then
+  ldd "${loaded[@]}" | grep 'not found' >&2
   exit 1
 fi
 site=$(dirname "$LIBTORCH")

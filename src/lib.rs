@@ -9,6 +9,7 @@ pub mod fuzz;
 pub mod grpc;
 pub mod http;
 pub mod kserve;
+pub mod memory;
 pub mod pace;
 pub mod pipeline;
 pub mod preprocess;
@@ -98,6 +99,27 @@ impl Gateway {
         let (factory, gpu_count, unusable_gpus): (EngineFactory, usize, usize) = match engine {
             EngineChoice::Torch => {
                 let torch_gpus = engine::cuda_device_count();
+                match engine::cuda_host::cuda_support() {
+                    engine::cuda_host::CudaSupport::Loaded => {
+                        let (hooks, guard) = engine::cuda::cuda_registered();
+                        if hooks && guard {
+                            tracing::info!(gpus = torch_gpus, "libtorch CUDA support loaded")
+                        } else {
+                            tracing::error!(
+                                hooks,
+                                guard,
+                                "libtorch_cuda.so loaded but CUDA is not registered with \
+                                 libtorch"
+                            )
+                        }
+                    }
+                    engine::cuda_host::CudaSupport::NoDriver => tracing::info!(
+                        "no NVIDIA driver (libcuda.so.1): libtorch's CUDA support not loaded"
+                    ),
+                    engine::cuda_host::CudaSupport::Failed(why) => {
+                        tracing::error!("libtorch_cuda.so did not load: {why}")
+                    }
+                }
                 // The driver's view (NVML), beside libtorch's: a host with NVIDIA GPUs
                 // where CUDA cannot start fails its KIND_GPU models with the reason.
                 let host_gpus = telemetry::Nvml::open().map_or(0, |nvml| {
@@ -210,6 +232,8 @@ impl Gateway {
             settings.decode_memory,
             settings.server.clone(),
         ));
+        // Free memory back to the system after 10 s without a batch or a decode.
+        tokio::spawn(memory::release_when_idle(Duration::from_secs(10)));
         let poll_stop = tokio_util::sync::CancellationToken::new();
         let poll_task = (settings.control.mode == state::ControlMode::Poll).then(|| {
             let (state, stop) = (state.clone(), poll_stop.clone());

@@ -1,11 +1,26 @@
 use clap::Parser;
 
-fn main() -> anyhow::Result<()> {
-    limit_malloc_arenas();
+/// jemalloc for Rust's allocations too (see `visiongate::memory`).
+#[cfg(all(feature = "jemalloc", target_os = "linux", target_env = "gnu"))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+fn main() {
     raise_open_file_limit();
     let config = visiongate::config::Config::parse();
     visiongate::telemetry::init(config.log_levels());
+    if let Err(e) = serve(config) {
+        // A start that fails (a port in use, say) may leave models loading on their own
+        // threads: exit without the exit-time destructors they could still be using.
+        eprintln!("Error: {e:?}");
+        visiongate::shutdown::exit_now(1);
+    }
+}
+
+fn serve(config: visiongate::config::Config) -> anyhow::Result<()> {
     let settings = config.validate().map_err(anyhow::Error::msg)?;
+    // Before any other thread starts: libtorch's CUDA half registers itself as it loads.
+    visiongate::engine::cuda_host::cuda_support();
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
@@ -13,24 +28,6 @@ fn main() -> anyhow::Result<()> {
             let shutdown = visiongate::shutdown::on_signals(settings.exit_timeout);
             visiongate::run(settings, shutdown).await
         })
-}
-
-/// glibc gives each thread that allocates an arena of its own, up to 8 per core, and
-/// each keeps memory freed in it: with many decode threads that held hundreds of MiB
-/// resident beyond what the images in flight need. Two arenas, unless `MALLOC_ARENA_MAX`
-/// or `GLIBC_TUNABLES` say otherwise. Before any thread starts: glibc fixes the number of
-/// arenas when it first needs a second one.
-fn limit_malloc_arenas() {
-    #[cfg(target_env = "gnu")]
-    {
-        let tunables = std::env::var("GLIBC_TUNABLES").unwrap_or_default();
-        if std::env::var_os("MALLOC_ARENA_MAX").is_none() && !tunables.contains("arena_max") {
-            // SAFETY: mallopt only sets an allocator parameter; no other thread exists yet.
-            unsafe {
-                libc::mallopt(libc::M_ARENA_MAX, 2);
-            }
-        }
-    }
 }
 
 /// The soft limit on open descriptors up to the hard one, as servers do: connections and

@@ -34,8 +34,9 @@ pub fn on_signals(exit_timeout: Duration) -> CancellationToken {
 }
 
 /// Ends the process without running exit handlers: libtorch's static destructors must not
-/// run under instance threads that are still working.
-fn exit_now(code: i32) -> ! {
+/// run under instance threads that are still working. (Log lines are written whole, so
+/// nothing is left buffered; no flush here, which could wait on a blocked writer.)
+pub fn exit_now(code: i32) -> ! {
     // SAFETY: `_exit` only ends the process; it touches no memory of this one.
     unsafe { libc::_exit(code) }
 }

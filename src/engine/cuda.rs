@@ -8,6 +8,7 @@ use std::time::Duration;
 
 extern "C" {
     fn vg_last_error() -> *const c_char;
+    fn vg_cuda_registered() -> c_int;
     fn vg_set_allow_tf32(allow: c_int) -> c_int;
     fn vg_allow_tf32() -> c_int;
     fn vg_cuda_use_pool_stream(index: c_int) -> c_int;
@@ -34,6 +35,14 @@ fn check(rc: c_int) -> Result<(), String> {
     } else {
         Ok(())
     }
+}
+
+/// Whether libtorch's CUDA half is registered with libtorch: (CUDA's hooks, its device
+/// guard). See `cuda_host::cuda_support`, which must have run first.
+pub fn cuda_registered() -> (bool, bool) {
+    // SAFETY: reads libtorch's registries; no pointers involved.
+    let bits = unsafe { vg_cuda_registered() };
+    (bits & 1 != 0, bits & 2 != 0)
 }
 
 /// Whether FP32 convolutions (cuDNN) and matmuls (cuBLAS) may run in TF32 on GPUs that

@@ -1,11 +1,97 @@
-//! Why libtorch sees no GPU on a host whose NVIDIA driver sees some: read from the CUDA
-//! driver (`libcuda.so.1`, loaded at run time) and the CUDA runtime libtorch loaded. A
-//! `KIND_GPU` model then fails its load with the reason instead of running on the CPU;
-//! GPUs hidden on purpose (`CUDA_VISIBLE_DEVICES=`) still fall back to the CPU.
-use std::ffi::{c_char, c_int, c_uint, CStr};
+//! libtorch's CUDA half, loaded at run time on hosts with the NVIDIA driver
+//! ([`cuda_support`]); and why libtorch sees no GPU on a host whose NVIDIA driver sees
+//! some: read from the CUDA driver (`libcuda.so.1`, loaded at run time) and the CUDA
+//! runtime libtorch loaded. A `KIND_GPU` model then fails its load with the reason instead
+//! of running on the CPU; GPUs hidden on purpose (`CUDA_VISIBLE_DEVICES=`) still fall back
+//! to the CPU.
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::sync::OnceLock;
 
 /// CUDA's `CUDA_ERROR_NO_DEVICE`: the driver runs and sees no (visible) GPU.
 const CUDA_ERROR_NO_DEVICE: c_int = 100;
+
+/// Whether libtorch's CUDA half (`libtorch_cuda.so`) is loaded.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CudaSupport {
+    Loaded,
+    /// No NVIDIA driver (`libcuda.so.1`): CUDA could not run, so it is not loaded.
+    NoDriver,
+    /// The driver is there but `libtorch_cuda.so` did not load: why.
+    Failed(String),
+}
+
+/// Loads libtorch's CUDA half once, on a host with the NVIDIA driver, before libtorch is
+/// first asked about CUDA (`cuda_device_count` calls this first; so does `main`, before
+/// any other thread starts). The binary does not link `libtorch_cuda.so`: on a CPU host
+/// the CUDA libraries it pulls in (cuBLASLt, NVRTC, nvJitLink, ...) held about 155 MiB
+/// resident for nothing. It is opened from the directory `libtorch_cpu.so` was loaded
+/// from, `RTLD_GLOBAL` as a linked library would be; its static initialisers register
+/// CUDA with libtorch (hooks, device guard, kernels), as at a linked start.
+pub fn cuda_support() -> &'static CudaSupport {
+    static SUPPORT: OnceLock<CudaSupport> = OnceLock::new();
+    SUPPORT.get_or_init(|| {
+        if driver_library().is_null() {
+            return CudaSupport::NoDriver;
+        }
+        match open_libtorch_cuda() {
+            Ok(()) => CudaSupport::Loaded,
+            Err(why) => CudaSupport::Failed(why),
+        }
+    })
+}
+
+/// Opens `libtorch_cuda.so` from libtorch's directory (`RTLD_GLOBAL`, never closed),
+/// driver or not; `cuda_support` calls it where the driver is. Before libtorch is first
+/// asked about CUDA, or its CUDA hooks stay the stand-in it looked up.
+pub fn open_libtorch_cuda() -> Result<(), String> {
+    let path = match libtorch_dir() {
+        Some(dir) => format!("{dir}/libtorch_cuda.so"),
+        None => "libtorch_cuda.so".to_string(),
+    };
+    let c_path = CString::new(path.clone()).map_err(|_| format!("{path}: not a path"))?;
+    // SAFETY: dlopen with a NUL-terminated path; the handle is kept for the process's
+    // life (the library is never closed).
+    let lib = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    if lib.is_null() {
+        Err(dl_error().unwrap_or(path))
+    } else {
+        Ok(())
+    }
+}
+
+/// The NVIDIA driver's CUDA library, opened (and kept: libtorch uses it too), or null.
+fn driver_library() -> *mut c_void {
+    // SAFETY: dlopen with a constant name.
+    unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW) }
+}
+
+/// The directory the already loaded `libtorch_cpu.so` came from.
+fn libtorch_dir() -> Option<String> {
+    // SAFETY: RTLD_NOLOAD only looks the library up among those loaded; dlinfo's
+    // RTLD_DI_ORIGIN writes a NUL-terminated directory into a buffer of PATH_MAX bytes.
+    unsafe {
+        let lib = libc::dlopen(
+            c"libtorch_cpu.so".as_ptr(),
+            libc::RTLD_LAZY | libc::RTLD_NOLOAD,
+        );
+        if lib.is_null() {
+            return None;
+        }
+        let mut dir = vec![0 as c_char; libc::PATH_MAX as usize];
+        let ok = libc::dlinfo(lib, libc::RTLD_DI_ORIGIN, dir.as_mut_ptr().cast()) == 0;
+        libc::dlclose(lib);
+        ok.then(|| CStr::from_ptr(dir.as_ptr()).to_string_lossy().into_owned())
+    }
+}
+
+fn dl_error() -> Option<String> {
+    // SAFETY: dlerror returns null or a NUL-terminated message of this thread's last
+    // dl* failure.
+    unsafe {
+        let e = libc::dlerror();
+        (!e.is_null()).then(|| CStr::from_ptr(e).to_string_lossy().into_owned())
+    }
+}
 
 /// A CUDA version as CUDA encodes it (`1000 * major + 10 * minor`), as `major.minor`.
 pub fn version_text(v: i32) -> String {
@@ -30,14 +116,14 @@ pub enum DriverState {
 pub fn cuda_problem(runtime: Option<i32>, driver: &DriverState) -> Option<String> {
     match (runtime, driver) {
         (_, DriverState::Fails { code, .. }) if *code == CUDA_ERROR_NO_DEVICE => None,
+        (_, DriverState::Absent) => Some(
+            "the NVIDIA driver's CUDA library (libcuda.so.1) is missing: install the \
+             driver's CUDA component (in a container, the NVIDIA container toolkit)"
+                .into(),
+        ),
         (None, _) => Some(
             "this libtorch has no CUDA runtime (a CPU-only build, or libtorch_cuda.so did \
              not load): use a CUDA build of libtorch"
-                .into(),
-        ),
-        (Some(_), DriverState::Absent) => Some(
-            "the NVIDIA driver's CUDA library (libcuda.so.1) is missing: install the \
-             driver's CUDA component (in a container, the NVIDIA container toolkit)"
                 .into(),
         ),
         (Some(_), DriverState::Fails { code, message }) => Some(format!(
@@ -102,7 +188,7 @@ pub fn driver_state() -> DriverState {
     // `cuGetErrorString(CUresult, const char**)`). The library stays loaded: libtorch
     // uses it too.
     unsafe {
-        let lib = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW);
+        let lib = driver_library();
         if lib.is_null() {
             return DriverState::Absent;
         }
@@ -167,9 +253,11 @@ mod tests {
             broken.contains("does not start: unknown error (error 999)"),
             "{broken}"
         );
-        assert!(cuda_problem(Some(13000), &DriverState::Absent)
-            .unwrap()
-            .contains("libcuda.so.1"));
+        for runtime in [Some(13000), None] {
+            assert!(cuda_problem(runtime, &DriverState::Absent)
+                .unwrap()
+                .contains("libcuda.so.1"));
+        }
         assert!(cuda_problem(Some(12080), &runs(13000))
             .unwrap()
             .contains("no usable GPU"));

@@ -5,6 +5,7 @@
 // on a machine without a GPU nothing here touches CUDA unless asked to.
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
@@ -31,6 +32,15 @@ extern "C" {
 
 // The message of the calling thread's last failure (valid until its next call here).
 const char* vg_last_error() { return last_error.c_str(); }
+
+// Whether libtorch's CUDA half is registered: bit 0, CUDA's hooks (what libtorch asks
+// about CUDA through; their stand-in says "not built"); bit 1, CUDA's device guard. Neither
+// needs a GPU or the driver. Call only after libtorch_cuda.so had its chance to load: the
+// hooks are looked up once.
+int vg_cuda_registered() {
+  return (at::detail::getCUDAHooks().isBuilt() ? 1 : 0) |
+         (c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA) ? 2 : 0);
+}
 
 // TF32 for cuDNN convolutions and cuBLAS matmuls, both at once.
 int vg_set_allow_tf32(int allow) {

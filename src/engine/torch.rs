@@ -9,7 +9,9 @@ use super::{BatchInput, ComputeTimings, Engine, EngineError, EngineOutput, Outpu
 use crate::domain::{ClassScore, Normalize, Precision};
 
 /// Number of CUDA devices libtorch sees (0 without a GPU or without CUDA libraries).
+/// libtorch's CUDA half is loaded first, where the host has the driver.
 pub fn cuda_device_count() -> usize {
+    super::cuda_host::cuda_support();
     if tch::Cuda::is_available() {
         tch::Cuda::device_count().max(0) as usize
     } else {

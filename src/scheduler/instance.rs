@@ -71,6 +71,7 @@ pub(super) fn instance_loop(
 
 /// Returns false if the engine panicked.
 fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bool {
+    crate::memory::note_activity();
     // Only this batch's rows fail; the other rows of their requests are unaffected.
     let fail = |message: String| {
         tracing::error!(model = ctx.model, instance = %ctx.id, %message, "batch failed");

@@ -3,6 +3,7 @@ and serve the real binary; the ones visiongate cannot honour are accepted with a
 and malformed or unknown ones fail before anything starts."""
 
 import os
+import socket
 import subprocess
 
 import pytest
@@ -11,7 +12,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import ROOT, Server
+from conftest import ROOT, Server, free_port
 
 
 def top1(base, photo, headers=None):
@@ -149,3 +150,20 @@ def test_a_model_that_fails_at_start_up_exits_unless_told_otherwise(tmp_path):
 def test_bad_arguments_fail_before_anything_starts(args, says):
     code, out = run_binary(*args, "--http-port=0", "--grpc-port=0", "--metrics-port=0", timeout=30)
     assert code != 0 and says in out, out
+
+
+@pytest.mark.parametrize("taken", ["--http-port", "--grpc-port", "--metrics-port"])
+def test_a_port_in_use_fails_the_start_with_exit_status_1(taken):
+    # A restarted pod whose old process still holds a port: a clear error and status 1,
+    # not a crash while the models are still loading (RUST_BACKTRACE=1 slows the error's
+    # path enough that the models are loading when the process ends).
+    ports = {flag: free_port() for flag in ("--http-port", "--grpc-port", "--metrics-port")}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", ports[taken]))
+        holder.listen()
+        args = [os.environ["VISIONGATE_BIN"], "--host", "127.0.0.1", "--model-repository", str(ROOT / "models")]
+        for flag, port in ports.items():
+            args += [flag, str(port)]
+        p = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**os.environ, "RUST_BACKTRACE": "1"})
+    assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
+    assert "Address already in use" in p.stderr, p.stderr[-2000:]
