@@ -204,10 +204,7 @@ async fn main() {
             let server = Server::start(&[&flag]).await;
             let ready_mib = server.rss_mib("VmRSS:");
             let (rate, _, busy) = one_big_request(&server, &mixed, images).await;
-            let mut single = Vec::new();
-            for (concurrency, total) in SINGLE_LOADS {
-                single.push(single_image_load(&server, &small, concurrency, total).await);
-            }
+            let single = single_loads(&server, &small).await;
             let run = Run {
                 round,
                 precision,
@@ -273,10 +270,7 @@ async fn main() {
     println!("   again:      {secs:.2} s, {warm:.1} images/s");
     drop(server);
 
-    let dir = std::env::args()
-        .skip_while(|a| a != "--report")
-        .nth(1)
-        .map_or_else(|| root().join("test-artifacts/bench"), PathBuf::from);
+    let dir = arg("--report").map_or_else(|| root().join("test-artifacts/bench"), PathBuf::from);
     write_report(
         &dir,
         &json!({
@@ -297,6 +291,15 @@ async fn main() {
 /// The single-image loads of 3d: (concurrency, requests).
 const SINGLE_LOADS: [(usize, usize); 3] = [(1, 60), (8, 320), (32, 960)];
 
+/// 3d: each of `SINGLE_LOADS` in turn, (req/s, p50 ms, p99 ms).
+async fn single_loads(server: &Server, small: &[Vec<u8>]) -> Vec<(f64, f64, f64)> {
+    let mut single = Vec::new();
+    for (concurrency, total) in SINGLE_LOADS {
+        single.push(single_image_load(server, small, concurrency, total).await);
+    }
+    single
+}
+
 /// One server process's figures in 3b and 3d.
 struct Run {
     round: usize,
@@ -313,11 +316,7 @@ struct Run {
 
 impl Run {
     fn row(&self) -> String {
-        let cells: Vec<String> = self
-            .single
-            .iter()
-            .map(|(rps, p50, p99)| format!("{rps:>8.1} {p50:>6.1} {p99:>6.1}"))
-            .collect();
+        let cells = single_cells(&self.single);
         format!(
             "{:<5} {:<9} {:>9.0} {:>12.1} {:>6.2} {:>22} {:>22} {:>22} {:>9.0}",
             self.round,
@@ -345,6 +344,14 @@ impl Run {
             "peak_rss_mib": self.peak_mib,
         })
     }
+}
+
+/// 3d's figures, a column each: "req/s p50 p99".
+fn single_cells(single: &[(f64, f64, f64)]) -> Vec<String> {
+    single
+        .iter()
+        .map(|(rps, p50, p99)| format!("{rps:>8.1} {p50:>6.1} {p99:>6.1}"))
+        .collect()
 }
 
 /// The runs of 3b/3d per precision: medians, ranges, and bf16 against FP32.
@@ -512,11 +519,13 @@ fn write_report(dir: &Path, report: &serde_json::Value, summary: &Summary, naive
 }
 
 /// The value after `name` on the command line.
+fn arg(name: &str) -> Option<String> {
+    std::env::args().skip_while(|a| a != name).nth(1)
+}
+
+/// The number after `name` on the command line.
 fn arg_value(name: &str) -> Option<usize> {
-    std::env::args()
-        .skip_while(|a| a != name)
-        .nth(1)
-        .map(|v| v.parse().unwrap_or_else(|_| panic!("{name} N")))
+    arg(name).map(|v| v.parse().unwrap_or_else(|_| panic!("{name} N")))
 }
 
 /// The photos of 3b, in a cycle of 80: the fixtures' 26 small and 12 medium photos twice
@@ -614,11 +623,8 @@ async fn compare((bins, rounds): &(Vec<PathBuf>, usize), images: usize) {
         for bin in bins {
             let server = Server::start_bin(bin, &[], &[]).await;
             let (rate, _, busy) = one_big_request(&server, &mixed, images).await;
-            let mut cells = Vec::new();
-            for (concurrency, total) in SINGLE_LOADS {
-                let (rps, p50, p99) = single_image_load(&server, &small, concurrency, total).await;
-                cells.push(format!("{rps:>8.1} {p50:>6.1} {p99:>6.1}"));
-            }
+            let single = single_loads(&server, &small).await;
+            let cells = single_cells(&single);
             let name = bin
                 .file_name()
                 .map_or(String::new(), |n| n.to_string_lossy().into());

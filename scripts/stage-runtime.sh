@@ -19,13 +19,11 @@ mkdir -p "$dest"
 loaded=("$VG_BIN")
 cuda=$LIBTORCH/lib/libtorch_cuda.so
 [[ -e $cuda ]] && loaded+=("$cuda")
-libs=$( (ldd "${loaded[@]}" | awk '$2 == "=>" && $3 ~ /^\// {print $3}'; [[ -e $cuda ]] && echo "$cuda") \
+deps=$(ldd "${loaded[@]}")
+if grep 'not found' <<<"$deps" >&2; then exit 1; fi
+libs=$( (awk '$2 == "=>" && $3 ~ /^\// {print $3}' <<<"$deps"; [[ -e $cuda ]] && echo "$cuda") \
   | xargs realpath | grep -F "$(realpath "$VG_VENV")/" || true)
 [[ -n $libs ]] || { echo "stage-runtime: ldd found no libraries under $VG_VENV" >&2; exit 1; }
-if ldd "${loaded[@]}" | grep -q 'not found'; then
-  ldd "${loaded[@]}" | grep 'not found' >&2
-  exit 1
-fi
 site=$(dirname "$LIBTORCH")
 extra=$(ls "$site"/nvidia/cudnn/lib/libcudnn_*.so.* "$site"/nvidia/*/lib/libnvrtc-builtins.so.* 2>/dev/null || true)
 # Paths relative to / (coreutils 9.1's `cp --parents` mishandles absolute sources).

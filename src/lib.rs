@@ -101,23 +101,13 @@ impl Gateway {
                 let torch_gpus = engine::cuda_device_count();
                 match engine::cuda_host::cuda_support() {
                     engine::cuda_host::CudaSupport::Loaded => {
-                        let (hooks, guard) = engine::cuda::cuda_registered();
-                        if hooks && guard {
-                            tracing::info!(gpus = torch_gpus, "libtorch CUDA support loaded")
-                        } else {
-                            tracing::error!(
-                                hooks,
-                                guard,
-                                "libtorch_cuda.so loaded but CUDA is not registered with \
-                                 libtorch"
-                            )
-                        }
+                        tracing::info!(gpus = torch_gpus, "libtorch CUDA support loaded")
                     }
                     engine::cuda_host::CudaSupport::NoDriver => tracing::info!(
                         "no NVIDIA driver (libcuda.so.1): libtorch's CUDA support not loaded"
                     ),
                     engine::cuda_host::CudaSupport::Failed(why) => {
-                        tracing::error!("libtorch_cuda.so did not load: {why}")
+                        tracing::error!("libtorch's CUDA support did not load: {why}")
                     }
                 }
                 // The driver's view (NVML), beside libtorch's: a host with NVIDIA GPUs

@@ -38,7 +38,7 @@ fn check(rc: c_int) -> Result<(), String> {
 }
 
 /// Whether libtorch's CUDA half is registered with libtorch: (CUDA's hooks, its device
-/// guard). See `cuda_host::cuda_support`, which must have run first.
+/// guard). `cuda_host::open_libtorch_cuda` checks it once the library is open.
 pub fn cuda_registered() -> (bool, bool) {
     // SAFETY: reads libtorch's registries; no pointers involved.
     let bits = unsafe { vg_cuda_registered() };

@@ -16,7 +16,8 @@ pub enum CudaSupport {
     Loaded,
     /// No NVIDIA driver (`libcuda.so.1`): CUDA could not run, so it is not loaded.
     NoDriver,
-    /// The driver is there but `libtorch_cuda.so` did not load: why.
+    /// The driver is there but `libtorch_cuda.so` did not load, or loaded without
+    /// registering CUDA with libtorch: why.
     Failed(String),
 }
 
@@ -41,8 +42,9 @@ pub fn cuda_support() -> &'static CudaSupport {
 }
 
 /// Opens `libtorch_cuda.so` from libtorch's directory (`RTLD_GLOBAL`, never closed),
-/// driver or not; `cuda_support` calls it where the driver is. Before libtorch is first
-/// asked about CUDA, or its CUDA hooks stay the stand-in it looked up.
+/// driver or not, and checks that it registered CUDA with libtorch; `cuda_support` calls
+/// it where the driver is. Before libtorch is first asked about CUDA, or its CUDA hooks
+/// stay the stand-in it looked up.
 pub fn open_libtorch_cuda() -> Result<(), String> {
     let path = match libtorch_dir() {
         Some(dir) => format!("{dir}/libtorch_cuda.so"),
@@ -53,9 +55,14 @@ pub fn open_libtorch_cuda() -> Result<(), String> {
     // life (the library is never closed).
     let lib = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
     if lib.is_null() {
-        Err(dl_error().unwrap_or(path))
-    } else {
-        Ok(())
+        return Err(dl_error().unwrap_or(path));
+    }
+    match super::cuda::cuda_registered() {
+        (true, true) => Ok(()),
+        (hooks, guard) => Err(format!(
+            "{path} loaded but CUDA is not registered with libtorch (hooks: {hooks}, device \
+             guard: {guard})"
+        )),
     }
 }
 

@@ -168,8 +168,8 @@ fn worker(shared: &Shared, metrics: &Metrics, budget: &DecodeBudget) {
         }
         let started = std::time::Instant::now();
         let mut row = vec![0u8; task.settings.row_len()];
+        crate::memory::note_activity();
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            crate::memory::note_activity();
             decode_into(&task.bytes, &task.settings, budget, &mut row)
         }))
         .unwrap_or_else(|_| {
