@@ -21,9 +21,14 @@ pub enum ErrorKind {
     /// A known path asked with a method it does not serve.
     MethodNotAllowed,
     Forbidden,
+    /// The model is loading, or its load failed.
     NotReady,
+    /// Every instance of the model is down and restarting.
+    ModelDown,
+    /// The model was unloaded or replaced after the request found it.
+    ModelUnloaded,
     Overloaded,
-    /// The server is stopping: it finishes the requests it has and takes no new work.
+    /// The server (or the model) is stopping: it finishes the requests it has and takes no new work.
     ShuttingDown,
     /// The client went away before its answer (nobody reads this answer; it is counted).
     Cancelled,
@@ -45,7 +50,7 @@ const CLIENT_CLOSED_REQUEST: u16 = 499;
 
 impl ErrorKind {
     /// Every kind, for tables and tests.
-    pub const ALL: [ErrorKind; 15] = [
+    pub const ALL: [ErrorKind; 17] = [
         ErrorKind::InvalidInput,
         ErrorKind::UnsupportedMediaType,
         ErrorKind::PayloadTooLarge,
@@ -54,6 +59,8 @@ impl ErrorKind {
         ErrorKind::MethodNotAllowed,
         ErrorKind::Forbidden,
         ErrorKind::NotReady,
+        ErrorKind::ModelDown,
+        ErrorKind::ModelUnloaded,
         ErrorKind::Overloaded,
         ErrorKind::ShuttingDown,
         ErrorKind::Cancelled,
@@ -74,6 +81,8 @@ impl ErrorKind {
             ErrorKind::MethodNotAllowed => "method_not_allowed",
             ErrorKind::Forbidden => "forbidden",
             ErrorKind::NotReady => "not_ready",
+            ErrorKind::ModelDown => "model_down",
+            ErrorKind::ModelUnloaded => "model_unloaded",
             ErrorKind::Overloaded => "overloaded",
             ErrorKind::ShuttingDown => "shutting_down",
             ErrorKind::Cancelled => "cancelled",
@@ -93,9 +102,11 @@ impl ErrorKind {
             ErrorKind::NotFound => tonic::Code::NotFound,
             ErrorKind::MethodNotAllowed => tonic::Code::Unimplemented,
             ErrorKind::Forbidden => tonic::Code::PermissionDenied,
-            ErrorKind::NotReady | ErrorKind::Overloaded | ErrorKind::ShuttingDown => {
-                tonic::Code::Unavailable
-            }
+            ErrorKind::NotReady
+            | ErrorKind::ModelDown
+            | ErrorKind::ModelUnloaded
+            | ErrorKind::Overloaded
+            | ErrorKind::ShuttingDown => tonic::Code::Unavailable,
             ErrorKind::Cancelled => tonic::Code::Cancelled,
             ErrorKind::DeadlineExceeded | ErrorKind::RequestTimeout => {
                 tonic::Code::DeadlineExceeded
@@ -114,9 +125,11 @@ impl ErrorKind {
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::Forbidden => StatusCode::FORBIDDEN,
-            ErrorKind::NotReady | ErrorKind::Overloaded | ErrorKind::ShuttingDown => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ErrorKind::NotReady
+            | ErrorKind::ModelDown
+            | ErrorKind::ModelUnloaded
+            | ErrorKind::Overloaded
+            | ErrorKind::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ErrorKind::Cancelled => StatusCode::from_u16(CLIENT_CLOSED_REQUEST)
                 .expect("499 is within the valid status range"),
             ErrorKind::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
@@ -132,8 +145,9 @@ pub struct ErrorBody {
     /// What went wrong and where (KServe v2 clients read this field).
     pub error: String,
     /// Stable snake_case kind: `invalid_input`, `unsupported_media_type`,
-    /// `payload_too_large`, `request_timeout`, `not_found`, `method_not_allowed`, `forbidden`, `not_ready`, `overloaded`,
-    /// `shutting_down`, `cancelled`, `deadline_exceeded`, `model_failed`, `unsupported`,
+    /// `payload_too_large`, `request_timeout`, `not_found`, `method_not_allowed`, `forbidden`,
+    /// `not_ready`, `model_down`, `model_unloaded`, `overloaded`, `shutting_down`,
+    /// `cancelled`, `deadline_exceeded`, `model_failed`, `unsupported`,
     /// `internal`.
     pub code: String,
 }

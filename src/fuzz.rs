@@ -140,7 +140,7 @@ fn check_input(input: &InputTensor) {
 }
 
 fn kserve_body(body: Bytes, header_len: Option<usize>) {
-    let parsed = crate::http::v2_infer::parse_request("m".into(), None, body, header_len);
+    let parsed = crate::http::v2_infer::parse_request("m".into(), body, header_len);
     if let Ok((parsed, _)) = parsed {
         parsed.request.inputs.iter().for_each(check_input);
     }

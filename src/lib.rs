@@ -233,9 +233,7 @@ impl Gateway {
         let (http_addr, http) = if cfg.allow_http {
             let app_state = state.clone();
             let server = HttpServer::new(move || {
-                App::new()
-                    .wrap(actix_web::middleware::from_fn(http::restrict))
-                    .configure(|c| http::configure(c, app_state.clone()))
+                App::new().configure(|c| http::configure(c, app_state.clone()))
             })
             .on_connect(http::on_connect)
             .workers(settings.http_workers)

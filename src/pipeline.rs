@@ -1,8 +1,8 @@
 //! The image ensemble: encoded images are decoded on the pool, a bounded window ahead, and
 //! their rows enter the classifier's queue as they are ready, so inference of the first
 //! overlaps decoding (and uploading) of the rest. `/predict` and KServe's ensemble models
-//! both run this one pipeline; they differ only in what a bad image does (an error entry of
-//! its own, or the whole request's error).
+//! both run this one pipeline; they differ only in how rows fail (`RowFailures`: one by
+//! one, or together).
 use std::future::Future;
 use std::sync::Arc;
 
@@ -13,7 +13,7 @@ use crate::domain::{ModelName, ModelVersion, Normalize, RequestOptions};
 use crate::engine::OutputRequest;
 use crate::error::{ErrorKind, GatewayError};
 use crate::preprocess::{PreprocessError, PreprocessPool, PreprocessSettings, Row};
-use crate::scheduler::{ModelHandle, RequestSpec, RowError, RowFormat, RowIn, RunResult};
+use crate::scheduler::{ModelHandle, RequestSpec, RowFailures, RowFormat, RowIn, RunResult};
 
 /// What an image ensemble needs to serve requests end to end.
 #[derive(Clone)]
@@ -27,11 +27,11 @@ pub struct ImagePipeline {
     pub labels: Option<Arc<Vec<String>>>,
 }
 
-/// One image of a request as it arrives.
-pub enum Encoded {
-    Image(Bytes),
-    /// Unusable before decoding (empty, over the size limit).
-    Failed(PreprocessError),
+/// One image of a request as it arrives, with the caller's tag for it (a file's name).
+pub struct Encoded<T> {
+    pub tag: T,
+    /// Its bytes, or why it is unusable before decoding (empty, over the size limit).
+    pub image: Result<Bytes, PreprocessError>,
 }
 
 /// Images in flight on the decode pool at once for one request: enough to keep every
@@ -39,56 +39,57 @@ pub enum Encoded {
 pub const DECODE_AHEAD: usize = 32;
 
 impl ImagePipeline {
-    /// Classifies `images` in order. `bad_image(row, error)` says what an image that cannot
-    /// be used becomes: `RowIn::Failed` (an error entry of its own) or `RowIn::Abort` (the
-    /// request's error); `F` says the same of rows whose batch the model failed. If `abort` resolves first, the request ends with its error at once,
-    /// ahead of the images still decoding.
-    pub async fn classify<F: RowError>(
+    /// Classifies `images` in order, each answered with its tag; `failures` says whether an
+    /// image that cannot be used (or whose batch the model failed) gets its own failure or
+    /// fails the request. If `abort` resolves first, the request ends with its error at
+    /// once, ahead of the images still decoding.
+    pub async fn classify<T>(
         &self,
         pool: &PreprocessPool,
         options: RequestOptions,
         want: OutputRequest,
-        images: impl Stream<Item = Encoded>,
+        failures: RowFailures,
+        images: impl Stream<Item = Encoded<T>>,
         abort: impl Future<Output = GatewayError>,
-        bad_image: impl Fn(usize, PreprocessError) -> RowIn<F>,
-    ) -> RunResult<F> {
-        let rows = decode(pool, &self.preprocess, images)
-            .enumerate()
-            .map(|(i, decoded)| match decoded {
-                Ok(Ok(row)) => RowIn::Row(row),
-                Ok(Err(e)) => bad_image(i, e),
-                Err(e) => RowIn::Abort(e),
-            });
+    ) -> RunResult<T> {
+        let rows = decode(pool, &self.preprocess, images).map(|decoded| match decoded {
+            Ok((tag, Ok(row))) => RowIn::Row(tag, row),
+            Ok((tag, Err(e))) => RowIn::Unusable(tag, e),
+            Err(e) => RowIn::Abort(e),
+        });
         let spec = RequestSpec {
             options,
             format: RowFormat::Image(self.normalize),
             want,
+            failures,
         };
         self.classifier.run(spec, abortable(rows, abort)).await
     }
 }
 
 /// Each image decoded on the pool, `DECODE_AHEAD` at a time, yielded in order as soon as it
-/// and those before it are done: its row, or why it cannot be used (`Err`: the pool stopped).
-pub fn decode<'a>(
+/// and those before it are done: its tag and its row, or why it cannot be used (`Err`: the
+/// pool stopped).
+pub fn decode<'a, T: 'a>(
     pool: &'a PreprocessPool,
     settings: &'a Arc<PreprocessSettings>,
-    images: impl Stream<Item = Encoded> + 'a,
-) -> impl Stream<Item = Result<Result<Row, PreprocessError>, GatewayError>> + 'a {
+    images: impl Stream<Item = Encoded<T>> + 'a,
+) -> impl Stream<Item = Result<(T, Result<Row, PreprocessError>), GatewayError>> + 'a {
     // The request's own flow: the pool takes its images in turn with other requests'.
     let flow = pool.flow();
     images
-        .map(move |image| {
-            let decoded = match image {
-                Encoded::Image(bytes) => Ok(flow.submit(bytes, settings.clone())),
-                Encoded::Failed(e) => Err(e),
-            };
+        .map(move |Encoded { tag, image }| {
+            let decoded = image.map(|bytes| flow.submit(bytes, settings.clone()));
             async move {
                 match decoded {
-                    Ok(rx) => rx.await.map_err(|_| {
-                        GatewayError::new(ErrorKind::NotReady, "the decode pool is shutting down")
-                    }),
-                    Err(e) => Ok(Err(e)),
+                    Ok(rx) => match rx.await {
+                        Ok(row) => Ok((tag, row)),
+                        Err(_) => Err(GatewayError::new(
+                            ErrorKind::ShuttingDown,
+                            "the decode pool is shutting down",
+                        )),
+                    },
+                    Err(e) => Ok((tag, Err(e))),
                 }
             }
         })
@@ -96,10 +97,10 @@ pub fn decode<'a>(
 }
 
 /// `rows`, ended by `abort`'s error as soon as it resolves.
-fn abortable<F>(
-    rows: impl Stream<Item = RowIn<F>>,
+fn abortable<T>(
+    rows: impl Stream<Item = RowIn<T>>,
     abort: impl Future<Output = GatewayError>,
-) -> impl Stream<Item = RowIn<F>> {
+) -> impl Stream<Item = RowIn<T>> {
     let state = Some((Box::pin(rows), Box::pin(abort)));
     futures_util::stream::unfold(state, |state| async move {
         let (mut rows, mut abort) = state?;

@@ -17,6 +17,7 @@ use visiongate::EngineChoice;
 
 const FAIL: u8 = 251;
 const PANIC: u8 = 250;
+const LOSE_ROW: u8 = 249;
 
 fn files(reds: &[u8]) -> Vec<(String, Vec<u8>)> {
     reds.iter()
@@ -55,6 +56,7 @@ async fn engine_faults_fail_only_their_batch_and_instances_restart() {
     let faults = Arc::new(FakeFaults {
         fail_on_first_byte: Some(FAIL),
         panic_on_first_byte: Some(PANIC),
+        lose_row_on_first_byte: Some(LOSE_ROW),
         ..Default::default()
     });
     let mut config = Config::for_tests();
@@ -109,6 +111,19 @@ async fn engine_faults_fail_only_their_batch_and_instances_restart() {
         "{status_of:?}"
     );
 
+    // An engine that answers a row short fails its batch: an error entry, not a panic.
+    let r = gw.predict("", &files(&[7, LOSE_ROW, 9])).await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    let results = r.results();
+    assert_eq!(results[0]["class_id"], 7, "{}", r.json);
+    assert_eq!(results[1]["error"]["code"], "model_failed", "{}", r.json);
+    assert_eq!(results[2]["class_id"], 9, "{}", r.json);
+    let status_of = grpc
+        .model_infer(common::ensemble_request(solid_png(LOSE_ROW)))
+        .await
+        .expect_err("a batch short of a row fails the request");
+    assert_eq!(status_of.code(), tonic::Code::Internal);
+
     // Both instances panic while no new engine can be loaded: the model is down, and
     // every view of it says so.
     faults.refuse_loads.store(true, Ordering::SeqCst);
@@ -132,9 +147,29 @@ async fn engine_faults_fail_only_their_batch_and_instances_restart() {
     let (state, reason) = classifier_in_index(&gw).await;
     assert_eq!(state, "UNAVAILABLE");
     assert!(reason.contains("every instance is down"), "{reason}");
+    // Refused as down (not as loading), and counted so.
+    let down = gw
+        .metric(
+            "nv_inference_request_failure",
+            &["classifier", "MODEL_DOWN"],
+        )
+        .await;
     let r = gw.predict("", &files(&[7])).await;
     assert_eq!(r.status, 503, "{}", r.json);
-    assert_eq!(r.json["code"], "not_ready");
+    assert_eq!(r.json["code"], "model_down");
+    assert!(
+        r.json["error"].as_str().unwrap().contains("restarting"),
+        "{}",
+        r.json
+    );
+    assert_eq!(
+        gw.metric(
+            "nv_inference_request_failure",
+            &["classifier", "MODEL_DOWN"]
+        )
+        .await,
+        down + 1.0
+    );
 
     // Loads work again: the instances come back at their next try (they wait 1 s, then
     // 2 s, 4 s... between tries) and serve.

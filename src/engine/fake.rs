@@ -14,12 +14,14 @@ pub struct FakeEngine {
     pub faults: Arc<FakeFaults>,
 }
 
-/// Faults a test orders: an engine error or a panic for every batch with a row whose first
-/// byte is the given value, and new engines refused while `refuse_loads` is set.
+/// Faults a test orders: an engine error, a panic, or an answer one row short for every
+/// batch with a row whose first byte is the given value, and new engines refused while
+/// `refuse_loads` is set.
 #[derive(Debug, Default)]
 pub struct FakeFaults {
     pub fail_on_first_byte: Option<u8>,
     pub panic_on_first_byte: Option<u8>,
+    pub lose_row_on_first_byte: Option<u8>,
     pub refuse_loads: AtomicBool,
 }
 
@@ -113,6 +115,14 @@ impl Engine for FakeEngine {
         }
         if want.logits {
             out.logits = Some(firsts.iter().flat_map(|&f| scores(f)).collect());
+        }
+        if let Some(bad) = self.faults.lose_row_on_first_byte {
+            if firsts.contains(&bad) {
+                out.top_k.pop();
+                if let Some(logits) = &mut out.logits {
+                    logits.truncate(logits.len().saturating_sub(n));
+                }
+            }
         }
         Ok(out)
     }

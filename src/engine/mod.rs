@@ -78,6 +78,27 @@ pub struct EngineOutput {
     pub timings: ComputeTimings,
 }
 
+impl EngineOutput {
+    /// Whether this answers every one of `rows` rows with what `want` asks: each row's top
+    /// classes (at least one) and `rows x num_classes` logits. `Err` says what is missing.
+    pub fn answers(&self, rows: usize, want: OutputRequest) -> Result<(), String> {
+        if want.top_k > 0 && (self.top_k.len() != rows || self.top_k.iter().any(Vec::is_empty)) {
+            return Err(format!(
+                "the engine answered top classes for {} of {rows} rows",
+                self.top_k.iter().filter(|t| !t.is_empty()).count()
+            ));
+        }
+        let logits = self.logits.as_ref().map_or(0, Vec::len);
+        if want.logits && (self.num_classes == 0 || logits != rows * self.num_classes) {
+            return Err(format!(
+                "the engine answered {logits} logits for {rows} rows of {} classes",
+                self.num_classes
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Where a batch's time went, as Triton splits it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ComputeTimings {

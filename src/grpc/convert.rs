@@ -1,27 +1,44 @@
 //! Wire messages <-> `kserve` types. Typed `contents` are converted to the raw layout, so
 //! inference sees one form whichever way the client sent its tensors.
 use std::collections::HashMap;
-use std::time::Duration;
 
 use bytes::Bytes;
-use tonic::Status;
 
 use super::pb;
-use crate::domain::RequestOptions;
-use crate::kserve::{self, DataType, InputTensor, RequestedOutput};
-use crate::state::ShmRef;
+use crate::error::GatewayError;
+use crate::kserve::{self, DataType, InputTensor, Param, Params};
 
-fn invalid(message: String) -> Status {
-    Status::invalid_argument(message)
+fn invalid(message: String) -> GatewayError {
+    GatewayError::invalid(message)
+}
+
+/// A protobuf parameter map as KServe's transport-neutral `Params` (a parameter without a
+/// value is left out).
+fn params(map: HashMap<String, pb::InferParameter>) -> Params {
+    use pb::infer_parameter::ParameterChoice as P;
+    map.into_iter()
+        .filter_map(|(name, p)| {
+            let value = match p.parameter_choice? {
+                P::BoolParam(v) => Param::Bool(v),
+                P::Int64Param(v) => Param::Int(v),
+                P::Uint64Param(v) => Param::Uint(v),
+                P::DoubleParam(v) => Param::Double(v),
+                P::StringParam(v) => Param::Text(v),
+            };
+            Some((name, value))
+        })
+        .collect()
 }
 
 /// The request for `kserve::infer`.
-pub fn infer_request(req: pb::ModelInferRequest) -> Result<kserve::InferRequest, Status> {
+pub fn infer_request(req: pb::ModelInferRequest) -> Result<kserve::InferRequest, GatewayError> {
     let raw = req.raw_input_contents;
     // Raw contents pair, in order, with the inputs that are not in shared memory.
+    let mut inputs = Vec::with_capacity(req.inputs.len());
     let mut places = Vec::with_capacity(req.inputs.len());
-    for input in &req.inputs {
-        places.push(shared_memory(&input.name, &input.parameters)?);
+    for mut input in req.inputs {
+        places.push(params(std::mem::take(&mut input.parameters)).shared_memory(&input.name)?);
+        inputs.push(input);
     }
     let sent = places.iter().filter(|p| p.is_none()).count();
     if !raw.is_empty() && raw.len() != sent {
@@ -32,114 +49,55 @@ pub fn infer_request(req: pb::ModelInferRequest) -> Result<kserve::InferRequest,
         )));
     }
     let mut raw = raw.into_iter();
-    let mut inputs = Vec::with_capacity(req.inputs.len());
-    for (input, place) in req.inputs.into_iter().zip(places) {
-        let datatype = DataType::parse(&input.datatype)
-            .map_err(|e| invalid(format!("input '{}': {e}", input.name)))?;
-        let data = match (&place, input.contents) {
-            (Some(_), Some(_)) => {
-                return Err(invalid(format!(
-                    "input '{}' has contents and is in shared memory; use one",
-                    input.name
-                )))
-            }
-            (Some(_), None) => Bytes::new(),
-            (None, contents) => match (raw.next(), contents) {
+    let inputs = inputs
+        .into_iter()
+        .zip(places)
+        .map(|(input, place)| {
+            let datatype = DataType::parse(&input.datatype)
+                .map_err(|e| invalid(format!("input '{}': {e}", input.name)))?;
+            let data = match (&place, input.contents) {
                 (Some(_), Some(_)) => {
                     return Err(invalid(format!(
-                        "input '{}' has contents and raw_input_contents; use one",
+                        "input '{}' has contents and is in shared memory; use one",
                         input.name
                     )))
                 }
-                (Some(raw), None) => raw,
-                (None, Some(contents)) => contents_to_raw(contents, datatype)
-                    .map_err(|e| invalid(format!("input '{}': {e}", input.name)))?,
-                (None, None) => return Err(invalid(format!("input '{}' has no data", input.name))),
-            },
-        };
-        inputs.push(InputTensor {
-            name: input.name,
-            datatype,
-            shape: input.shape,
-            data,
-            shared_memory: place,
-        });
-    }
+                (Some(_), None) => Bytes::new(),
+                (None, contents) => match (raw.next(), contents) {
+                    (Some(_), Some(_)) => {
+                        return Err(invalid(format!(
+                            "input '{}' has contents and raw_input_contents; use one",
+                            input.name
+                        )))
+                    }
+                    (Some(raw), None) => raw,
+                    (None, Some(contents)) => contents_to_raw(contents, datatype)
+                        .map_err(|e| invalid(format!("input '{}': {e}", input.name)))?,
+                    (None, None) => {
+                        return Err(invalid(format!("input '{}' has no data", input.name)))
+                    }
+                },
+            };
+            Ok(InputTensor {
+                name: input.name,
+                datatype,
+                shape: input.shape,
+                data,
+                shared_memory: place,
+            })
+        })
+        .collect::<Result<Vec<_>, GatewayError>>()?;
     let outputs = req
         .outputs
         .into_iter()
-        .map(|o| {
-            let classification = match o.parameters.get("classification") {
-                None => None,
-                Some(p) => Some(unsigned(p).ok_or_else(|| {
-                    invalid(format!(
-                        "output '{}': classification must be a class count",
-                        o.name
-                    ))
-                })? as usize),
-            };
-            Ok(RequestedOutput {
-                shared_memory: shared_memory(&o.name, &o.parameters)?,
-                name: o.name,
-                classification,
-            })
-        })
-        .collect::<Result<Vec<_>, Status>>()?;
+        .map(|o| params(o.parameters).requested_output(o.name))
+        .collect::<Result<Vec<_>, GatewayError>>()?;
     Ok(kserve::InferRequest {
         model: req.model_name,
-        version: Some(req.model_version).filter(|v| !v.is_empty()),
         id: req.id,
         inputs,
         outputs,
-        options: request_options(&req.parameters)?,
-    })
-}
-
-/// A tensor's place in system shared memory, from its `shared_memory_*` parameters.
-fn shared_memory(
-    tensor: &str,
-    params: &HashMap<String, pb::InferParameter>,
-) -> Result<Option<ShmRef>, Status> {
-    use pb::infer_parameter::ParameterChoice as P;
-    let region = params
-        .get("shared_memory_region")
-        .map(|p| match &p.parameter_choice {
-            Some(P::StringParam(s)) => Some(s.clone()),
-            _ => None,
-        });
-    let number = |name: &str| params.get(name).map(unsigned);
-    Ok(kserve::shared_memory_ref(
-        tensor,
-        region,
-        number("shared_memory_offset"),
-        number("shared_memory_byte_size"),
-    )?)
-}
-
-fn unsigned(p: &pb::InferParameter) -> Option<u64> {
-    use pb::infer_parameter::ParameterChoice as P;
-    match p.parameter_choice.as_ref()? {
-        P::Int64Param(v) => u64::try_from(*v).ok(),
-        P::Uint64Param(v) => Some(*v),
-        _ => None,
-    }
-}
-
-/// Triton's `priority` and `timeout` (microseconds) request parameters.
-fn request_options(params: &HashMap<String, pb::InferParameter>) -> Result<RequestOptions, Status> {
-    let number = |name: &str| -> Result<Option<u64>, Status> {
-        params
-            .get(name)
-            .map(|p| {
-                unsigned(p).ok_or_else(|| {
-                    invalid(format!("parameter '{name}' must be a non-negative integer"))
-                })
-            })
-            .transpose()
-    };
-    Ok(RequestOptions {
-        priority: number("priority")?.unwrap_or(0),
-        timeout: number("timeout")?.map(Duration::from_micros),
+        options: params(req.parameters).request_options()?,
     })
 }
 
@@ -337,15 +295,17 @@ mod tests {
         };
         let r = infer_request(req).unwrap();
         assert_eq!(r.inputs[1].data.as_ref(), &[3]);
-        assert_eq!(r.options.timeout, Some(Duration::from_micros(1500)));
-        assert_eq!(r.version, None);
+        assert_eq!(
+            r.options.timeout,
+            Some(std::time::Duration::from_micros(1500))
+        );
 
         let req = pb::ModelInferRequest {
             inputs: vec![input("a", "UINT8", vec![2]), input("b", "UINT8", vec![1])],
             raw_input_contents: vec![Bytes::from_static(&[1, 2])],
             ..Default::default()
         };
-        let e = infer_request(req).unwrap_err();
+        let e = tonic::Status::from(infer_request(req).unwrap_err());
         assert_eq!(e.code(), tonic::Code::InvalidArgument);
         assert!(
             e.message().contains("1 entries for 2 inputs"),
@@ -384,7 +344,7 @@ mod tests {
             ..Default::default()
         };
         let r = infer_request(req).unwrap();
-        let place = ShmRef {
+        let place = crate::state::ShmRef {
             region: "r".into(),
             offset: 16,
             byte_size: 8,
@@ -411,8 +371,8 @@ mod tests {
                 inputs,
                 ..Default::default()
             };
-            let e = infer_request(req).unwrap_err();
-            assert!(e.message().contains(says), "{}", e.message());
+            let e = infer_request(req).unwrap_err().to_string();
+            assert!(e.contains(says), "{e}");
         }
     }
 }

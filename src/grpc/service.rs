@@ -42,11 +42,6 @@ fn cuda_unsupported() -> Status {
     GatewayError::from(ShmError::Cuda).into()
 }
 
-/// A request header (gRPC metadata, lower-case keys) by name.
-fn metadata_of<T>(request: &Request<T>) -> impl Fn(&str) -> Option<String> + '_ {
-    |name| Some(request.metadata().get(name)?.to_str().ok()?.to_string())
-}
-
 /// Load/unload parameters as the transport-neutral `ControlParam`.
 fn control_params(
     params: std::collections::HashMap<String, pb::ModelRepositoryParameter>,
@@ -234,7 +229,7 @@ impl GrpcInferenceService for InferenceService {
     ) -> Result<Response<pb::RepositoryModelLoadResponse>, Status> {
         self.state
             .registry
-            .authorize_control(&self.state.server.keys.grpc, metadata_of(&request))?;
+            .authorize_control(&self.state.server.keys.grpc)?;
         let r = request.into_inner();
         let config = load_parameters(control_params(r.parameters))?;
         self.state
@@ -250,7 +245,7 @@ impl GrpcInferenceService for InferenceService {
     ) -> Result<Response<pb::RepositoryModelUnloadResponse>, Status> {
         self.state
             .registry
-            .authorize_control(&self.state.server.keys.grpc, metadata_of(&request))?;
+            .authorize_control(&self.state.server.keys.grpc)?;
         let r = request.into_inner();
         let dependents = unload_parameters(control_params(r.parameters))?;
         self.state

@@ -20,7 +20,7 @@ use crate::error::{ErrorBody, ErrorKind, GatewayError};
 use crate::pace::BodyPace;
 use crate::pipeline::Encoded;
 use crate::preprocess::PreprocessError;
-use crate::scheduler::{RowError, RowIn, SchedulerError};
+use crate::scheduler::{BatchFailed, RowFailure, RowFailures, RowOutput};
 use crate::state::AppState;
 
 const DEFAULT_MODEL: &str = "ensemble_model";
@@ -68,17 +68,6 @@ pub struct Prediction {
 pub struct FileError {
     pub code: String,
     pub message: String,
-}
-
-/// A file whose batch the model failed gets an error entry of its own (`model_failed`);
-/// the other files keep their results.
-impl RowError for FileError {
-    fn failed_batch(error: &SchedulerError) -> Option<FileError> {
-        Some(FileError {
-            code: ErrorKind::ModelFailed.code().to_string(),
-            message: error.to_string(),
-        })
-    }
 }
 
 /// One uploaded file's result: its prediction, or why it could not be classified.
@@ -129,6 +118,17 @@ pub struct PredictResponse {
     pub model_version: String,
     pub results: Vec<FileResult>,
     pub timing: Timing,
+}
+
+/// The error entry of a file that could not be classified.
+fn failed(filename: String, failure: RowFailure) -> FileResult {
+    FileResult::Err(FileFailure {
+        filename,
+        error: FileError {
+            code: failure.code().to_string(),
+            message: failure.to_string(),
+        },
+    })
 }
 
 fn too_large(message: impl Into<String>) -> GatewayError {
@@ -222,9 +222,9 @@ async fn classify(
         top_k,
         logits: false,
     };
-    // The reader streams the body into this channel, one entry per file part, paced by the
-    // decoding (so the upload slows down instead of piling up in memory); its error, if
-    // any, ends the request at once through `abort`.
+    // The reader streams the body into this channel, one entry per file part (tagged with
+    // its name), paced by the decoding (so the upload slows down instead of piling up in
+    // memory); its error, if any, ends the request at once through `abort`.
     let (files_tx, files_rx) = mpsc::channel(1);
     let (abort_tx, abort_rx) = oneshot::channel();
     // A bad boundary ends the request through `abort`, as any malformed upload does.
@@ -237,41 +237,33 @@ async fn classify(
         }
     };
     // A full queue answers 503 at once; otherwise the queue place is taken with the first
-    // decoded image, and rows enter the queue as their decode finishes.
+    // decoded image, and rows enter the queue as their decode finishes. Each file fails on
+    // its own: an error entry, the other files unaffected.
     let run = std::pin::pin!(pipeline.classify(
         &state.pool,
         options,
         want,
+        RowFailures::OneByOne,
         tokio_stream::wrappers::ReceiverStream::new(files_rx),
         abort,
-        |_, e| {
-            RowIn::Failed(FileError {
-                code: e.code().to_string(),
-                message: e.to_string(),
-            })
-        },
     ));
-    let (outputs, filenames) = match futures_util::future::select(run, reader).await {
-        // The rows ended, so the reader has sent its last file: its names are ready.
-        Either::Left((Ok(outputs), reader)) => (outputs, reader.await),
+    let outputs = match futures_util::future::select(run, reader).await {
         // Refused or failed: the rest of the upload is not read.
-        Either::Left((Err(e), _)) => return Err(e.into()),
-        Either::Right((filenames, run)) => (run.await?, filenames),
+        Either::Left((outputs, _)) => outputs?,
+        Either::Right(((), run)) => run.await?,
     };
-    debug_assert_eq!(filenames.len(), outputs.len(), "one result per file");
     let label = |class: u32| {
         pipeline
             .labels
             .as_ref()
             .and_then(|l| l.get(class as usize).cloned())
     };
-    let results: Vec<FileResult> = filenames
+    let results: Vec<FileResult> = outputs
         .into_iter()
-        .zip(outputs)
         .map(|(filename, output)| match output {
-            Ok(output) => {
-                let top: Vec<TopK> = output
-                    .top_k
+            // Every row has its top classes (an engine that lost some failed the batch).
+            Ok(RowOutput { top_k, .. }) if !top_k.is_empty() => {
+                let top: Vec<TopK> = top_k
                     .iter()
                     .map(|c| TopK {
                         label: label(c.class_id),
@@ -288,7 +280,13 @@ async fn classify(
                     top_k: top,
                 })
             }
-            Err(error) => FileResult::Err(FileFailure { filename, error }),
+            Ok(_) => failed(
+                filename,
+                RowFailure::ModelFailed(BatchFailed {
+                    model: pipeline.classifier.name().to_string(),
+                }),
+            ),
+            Err(failure) => failed(filename, failure),
         })
         .collect();
 
@@ -306,45 +304,44 @@ async fn classify(
     }))
 }
 
-/// Streams the multipart body into `files`: each complete file part (or why it is unusable)
-/// as soon as it is read; the upload's error, which ends the request, goes to `abort`.
-/// Returns the files' names in upload order.
+/// Streams the multipart body into `files`: each complete file part, tagged with its name
+/// (or why it is unusable), as soon as it is read; the upload's error, which ends the
+/// request, goes to `abort`.
 async fn read_upload(
     boundary: Result<String, multipart::Malformed>,
     payload: web::Payload,
     state: &AppState,
-    files: mpsc::Sender<Encoded>,
+    files: mpsc::Sender<Encoded<String>>,
     abort: oneshot::Sender<GatewayError>,
-) -> Vec<String> {
-    let mut names = Vec::new();
-    let result = read_parts(boundary, payload, state, &files, &mut names).await;
-    let end = match result {
-        Ok(()) if names.is_empty() => Err(GatewayError::invalid(
+) {
+    let end = match read_parts(boundary, payload, state, &files).await {
+        Ok(0) => Err(GatewayError::invalid(
             "no files: send one or more multipart parts named 'files' (or 'file')",
         )),
-        other => other,
+        Ok(_) => Ok(()),
+        Err(e) => Err(e),
     };
     if let Err(e) = end {
         let _ = abort.send(e);
     }
-    names
 }
 
+/// Reads the parts, sending each file on; returns how many file parts there were.
 async fn read_parts(
     boundary: Result<String, multipart::Malformed>,
     payload: web::Payload,
     state: &AppState,
-    files: &mpsc::Sender<Encoded>,
-    names: &mut Vec<String>,
-) -> Result<(), GatewayError> {
+    files: &mpsc::Sender<Encoded<String>>,
+) -> Result<usize, GatewayError> {
     let limits = &state.limits;
     let pace = limits.pace;
     let boundary = boundary.map_err(|e| GatewayError::invalid(e.to_string()))?;
     // Files, and as many other form fields (FastAPI's limits: 1000 of each).
     let parser = Parser::new(&boundary, limits.max_files.saturating_mul(2));
     let mut parts = Parts::new(body::Paced::new(payload, pace), parser);
-    // The file part being read: its content so far and its size.
-    let mut file: Option<(BytesMut, u64)> = None;
+    let mut count = 0;
+    // The file part being read: its name, its content so far and its size.
+    let mut file: Option<(String, BytesMut, u64)> = None;
     while let Some(event) = parts.next().await.map_err(|e| upload_error(e, pace))? {
         // Everything read counts, boundaries and part headers too (a body without a
         // `Content-Length` is only measured here).
@@ -363,20 +360,18 @@ async fn read_parts(
                 if !is_file {
                     continue; // other form fields are ignored, as FastAPI does
                 }
-                if names.len() == limits.max_files {
+                if count == limits.max_files {
                     return Err(too_large(format!(
                         "too many files: at most {} per request",
                         limits.max_files
                     )));
                 }
-                names.push(
-                    head.filename
-                        .unwrap_or_else(|| format!("file{}", names.len())),
-                );
-                file = Some((BytesMut::new(), 0));
+                let name = head.filename.unwrap_or_else(|| format!("file{count}"));
+                count += 1;
+                file = Some((name, BytesMut::new(), 0));
             }
             Event::Data(chunk) => {
-                if let Some((data, size)) = &mut file {
+                if let Some((_, data, size)) = &mut file {
                     *size += chunk.len() as u64;
                     // Past the per-file limit keep reading (to reach the next part) but
                     // drop it.
@@ -386,24 +381,24 @@ async fn read_parts(
                 }
             }
             Event::PartEnd => {
-                let Some((data, size)) = file.take() else {
+                let Some((tag, data, size)) = file.take() else {
                     continue;
                 };
                 let image = if size > limits.max_file_bytes {
-                    Encoded::Failed(PreprocessError::FileTooLarge {
+                    Err(PreprocessError::FileTooLarge {
                         size,
                         limit: limits.max_file_bytes,
                     })
                 } else if data.is_empty() {
-                    Encoded::Failed(PreprocessError::Empty)
+                    Err(PreprocessError::Empty)
                 } else {
-                    Encoded::Image(data.freeze())
+                    Ok(data.freeze())
                 };
-                if files.send(image).await.is_err() {
+                if files.send(Encoded { tag, image }).await.is_err() {
                     break; // the request ended: its error answers it
                 }
             }
         }
     }
-    Ok(())
+    Ok(count)
 }

@@ -257,14 +257,11 @@ fn control_parameters(body: &web::Bytes) -> Result<Vec<(String, ControlParam)>, 
         (status = 403, description = "Without the model-repository key's header (`--http-restricted-api`, `--repository-control-key`), or none configured", body = ErrorBody),
     ))]
 pub async fn load_model(
-    req: actix_web::HttpRequest,
     path: web::Path<String>,
     body: web::Bytes,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
-    state
-        .registry
-        .authorize_control(&state.server.keys.http, super::header_of(req.headers()))?;
+    state.registry.authorize_control(&state.server.keys.http)?;
     let config = load_parameters(control_parameters(&body)?)?;
     state.registry.load_model(&path, config).await?;
     Ok(HttpResponse::Ok().finish())
@@ -281,14 +278,11 @@ pub async fn load_model(
         (status = 403, description = "Without the model-repository key's header (`--http-restricted-api`, `--repository-control-key`), or none configured", body = ErrorBody),
     ))]
 pub async fn unload_model(
-    req: actix_web::HttpRequest,
     path: web::Path<String>,
     body: web::Bytes,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
-    state
-        .registry
-        .authorize_control(&state.server.keys.http, super::header_of(req.headers()))?;
+    state.registry.authorize_control(&state.server.keys.http)?;
     let dependents = unload_parameters(control_parameters(&body)?)?;
     state.registry.unload_model(&path, dependents).await?;
     Ok(HttpResponse::Ok().finish())

@@ -7,8 +7,6 @@
 //! The protocol has no per-row errors: a row that cannot be decoded fails the request with
 //! `InvalidInput` naming the row. Batches are not limited to `max_batch_size`: the
 //! scheduler cuts a large request into batches that run on every instance.
-use std::convert::Infallible;
-
 use bytes::Bytes;
 use futures_util::StreamExt;
 
@@ -20,8 +18,11 @@ use crate::error::{ErrorKind, GatewayError, HasKind};
 use crate::pipeline::{self, Encoded};
 use crate::preprocess::{PreprocessError, PreprocessSettings, Row};
 use crate::repository::{ModelKind, RepositoryModel};
-use crate::scheduler::{RequestSpec, RowFormat, RowIn, RowOutput};
-use crate::state::{AppState, LookupError, ServedModel, ShmRef};
+use crate::scheduler::{
+    RequestSpec, RowFailure, RowFailures, RowFormat, RowIn, RowOutput, RunError, RunResult,
+    SchedulerError,
+};
+use crate::state::{AppState, ServedModel, ShmRef};
 
 /// One requested output; `classification: Some(k)` asks for the top k classes as BYTES
 /// `"score:index:label"` instead of the tensor (Triton's classification extension).
@@ -36,7 +37,6 @@ pub struct RequestedOutput {
 #[derive(Debug, Clone)]
 pub struct InferRequest {
     pub model: String,
-    pub version: Option<String>,
     pub id: String,
     pub inputs: Vec<InputTensor>,
     /// Empty: every output of the model.
@@ -85,9 +85,14 @@ impl BadRow {
     }
 }
 
+/// Too large an image is too large a payload (413); any other unusable image is invalid
+/// input.
 impl HasKind for BadRow {
     fn kind(&self) -> ErrorKind {
-        ErrorKind::InvalidInput
+        match self.error.kind() {
+            ErrorKind::PayloadTooLarge => ErrorKind::PayloadTooLarge,
+            _ => ErrorKind::InvalidInput,
+        }
     }
 }
 
@@ -99,12 +104,6 @@ pub async fn infer(
     mut req: InferRequest,
 ) -> Result<InferResponse, GatewayError> {
     let model = served.repository_model();
-    if !served.is_ready() {
-        return Err(LookupError::NotReady {
-            name: req.model.clone(),
-        }
-        .into());
-    }
     let (input_name, output_name) = io_names(model);
     let wanted = requested_outputs(&req, model, output_name)?;
     // Output regions are found and checked before anything runs, and kept to the end.
@@ -126,16 +125,23 @@ pub async fn infer(
     let mut outputs = match served {
         ServedModel::Ensemble { pipeline, .. } => {
             let images = image_rows(input, &req.model, max_rows)?;
+            let images = images.map(|bytes| Encoded {
+                tag: (),
+                image: Ok(bytes),
+            });
             // The protocol has no per-row errors: a bad image fails the request, naming it.
-            let bad_image = |row, error| -> RowIn<Infallible> {
-                RowIn::Abort(BadRow::new(&input.name, &req.model, row, error).into())
-            };
-            let images = futures_util::stream::iter(images).map(Encoded::Image);
-            let never = std::future::pending();
             let rows = pipeline
-                .classify(&state.pool, req.options, want, images, never, bad_image)
-                .await?;
-            classifier_outputs(&wanted, &every_row(rows), pipeline.labels.as_deref())?
+                .classify(
+                    &state.pool,
+                    req.options,
+                    want,
+                    RowFailures::Together,
+                    futures_util::stream::iter(images),
+                    std::future::pending(),
+                )
+                .await;
+            let rows = every_row(rows, &input.name, &req.model)?;
+            classifier_outputs(&wanted, &rows, pipeline.labels.as_deref())?
         }
         ServedModel::Classifier { handle, .. } => {
             let ModelKind::Classifier(spec) = &model.kind else {
@@ -146,10 +152,11 @@ pub async fn infer(
                 options: req.options,
                 format: RowFormat::TensorF32,
                 want,
+                failures: RowFailures::Together,
             };
-            let rows = futures_util::stream::iter(rows).map(RowIn::Row);
-            let rows = handle.run(request, rows).await?;
-            classifier_outputs(&wanted, &every_row(rows), spec.labels.as_deref())?
+            let rows = futures_util::stream::iter(rows).map(|row| RowIn::Row((), row));
+            let rows = every_row(handle.run(request, rows).await, &input.name, &req.model)?;
+            classifier_outputs(&wanted, &rows, spec.labels.as_deref())?
         }
         ServedModel::Preprocessor {
             preprocess,
@@ -350,20 +357,38 @@ async fn decode_all(
     model: &str,
 ) -> Result<Vec<Row>, GatewayError> {
     let n = images.left;
-    let images = futures_util::stream::iter(images).map(Encoded::Image);
-    let mut decoding = std::pin::pin!(pipeline::decode(&state.pool, settings, images).enumerate());
+    let images = futures_util::stream::iter(images.enumerate()).map(|(i, bytes)| Encoded {
+        tag: i,
+        image: Ok(bytes),
+    });
+    let mut decoding = std::pin::pin!(pipeline::decode(&state.pool, settings, images));
     let mut rows = Vec::with_capacity(n);
-    while let Some((i, decoded)) = decoding.next().await {
-        rows.push(decoded?.map_err(|error| BadRow::new(input, model, i, error))?);
+    while let Some(decoded) = decoding.next().await {
+        let (i, row) = decoded?;
+        rows.push(row.map_err(|error| BadRow::new(input, model, i, error))?);
     }
     Ok(rows)
 }
 
-/// The rows of a request whose rows cannot fail one by one (the protocol has no per-row
-/// errors).
-fn every_row(rows: Vec<Result<RowOutput, Infallible>>) -> Vec<RowOutput> {
+/// The outputs of a request whose rows fail together (the protocol has no per-row
+/// errors): every row's, or the request's error, an unusable row named by its place.
+fn every_row(
+    rows: RunResult<()>,
+    input: &str,
+    model: &str,
+) -> Result<Vec<RowOutput>, GatewayError> {
+    let rows = rows.map_err(|e| match e {
+        RunError::Unusable { row, error } => BadRow::new(input, model, row, error).into(),
+        e => GatewayError::from(e),
+    })?;
     rows.into_iter()
-        .map(|r| r.unwrap_or_else(|e| match e {}))
+        .enumerate()
+        .map(|(row, (_, output))| {
+            output.map_err(|failure| match failure {
+                RowFailure::Unusable(error) => BadRow::new(input, model, row, error).into(),
+                RowFailure::ModelFailed(e) => SchedulerError::Failed(e).into(),
+            })
+        })
         .collect()
 }
 

@@ -2,6 +2,7 @@
 //! raw layout, model resolution, metadata, inference and statistics. `http::v2` and `grpc`
 //! only convert their wire types to these and back, so both answer alike and share state.
 mod infer;
+mod params;
 mod shm;
 mod stats;
 mod tensor;
@@ -10,7 +11,7 @@ pub use infer::{
     image_rows, infer, ImageRows, InferRequest, InferResponse, OutputTensor, RequestedOutput,
     RowLimit,
 };
-pub use shm::{shared_memory_ref, Param};
+pub use params::{Param, Params};
 pub use stats::{model_statistics, DurationStat, ModelStatistics};
 pub use tensor::{
     bytes_elements, count_bytes_elements, element_count, encode_bytes_elements, DataType,

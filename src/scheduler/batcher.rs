@@ -284,14 +284,17 @@ pub(super) async fn run_batcher(
     let mut idle: VecDeque<Slot> = VecDeque::new();
     let mut jobs_open = true;
     let mut state_open = true;
-    let not_ready = || SchedulerError::NotReady {
+    let down = || SchedulerError::Down {
+        model: model.clone(),
+    };
+    let stopping = || SchedulerError::Stopping {
         model: model.clone(),
     };
     loop {
         // With every instance down (restarting), nothing would run what waits: it is
         // answered now, as what arrives until one is back.
         if matches!(*state.borrow(), ModelState::Down(_)) {
-            queue.fail_all(not_ready);
+            queue.fail_all(down);
         }
         let mut timer = None;
         if has_timeouts {
@@ -324,9 +327,7 @@ pub(super) async fn run_batcher(
                     if let Err(batch) = slot.batches.send(batch) {
                         // The instance thread ended between offering and receiving.
                         for (job, _) in batch.parts {
-                            job.fail(SchedulerError::NotReady {
-                                model: model.clone(),
-                            });
+                            job.fail(stopping());
                         }
                     }
                 }
@@ -351,7 +352,7 @@ pub(super) async fn run_batcher(
                 Some(slot) => idle.push_back(slot),
                 None => {
                     // Every instance is gone: nothing can run what is queued.
-                    queue.fail_all(not_ready);
+                    queue.fail_all(stopping);
                     break;
                 }
             },
@@ -362,7 +363,7 @@ pub(super) async fn run_batcher(
             changed = state.changed(), if state_open => state_open = changed.is_ok(),
             _ = sleep => {}
             _ = stop.cancelled() => {
-                queue.fail_all(not_ready);
+                queue.fail_all(stopping);
                 break;
             }
         }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::{Batch, RowFormat, RowOutput, SchedulerError};
+use super::{Batch, BatchFailed, RowFormat, RowOutput};
 use crate::domain::InstanceId;
 use crate::engine::{BatchInput, ComputeTimings, Engine, OutputRequest};
 use crate::telemetry::{micros, Latency, Metrics};
@@ -78,7 +78,7 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
         for (job, range) in &batch.parts {
             job.fail_rows(
                 range.clone(),
-                SchedulerError::Failed {
+                BatchFailed {
                     model: ctx.model.clone(),
                 },
             );
@@ -134,6 +134,11 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| engine.run(input, want)));
     match result {
         Ok(Ok(mut out)) => {
+            // An engine that lost rows fails the batch rather than give a row no classes.
+            if let Err(why) = out.answers(rows, want) {
+                fail(why);
+                return true;
+            }
             record_execution(ctx, &batch, &out.timings);
             let mut top_k = std::mem::take(&mut out.top_k).into_iter();
             let logits = out.logits.take();

@@ -22,20 +22,32 @@ use tokio::sync::oneshot;
 pub use cache::ResponseCache;
 pub use handle::{ModelHandle, ModelState};
 pub use policy::{BatchPolicy, QueuePolicy};
-pub use request::{RequestSpec, RowError, RowIn, RunError, RunResult};
+pub use request::{RequestSpec, RowFailures, RowIn, RunError, RunResult};
 pub use start::{start_model, BatchSizeChoice, EngineFactory, ModelSettings};
 
 use crate::domain::{ClassScore, Normalize};
 use crate::engine::OutputRequest;
 use crate::error::{ErrorKind, HasKind};
-use crate::preprocess::Row;
+use crate::preprocess::{PreprocessError, Row};
+use crate::telemetry::reason;
 
-/// Why a request got no rows back from a model's queue.
+/// Why a request got no rows back from a model's queue. Each refusal has its own kind,
+/// message and `reason` label in Triton's failure counter.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum SchedulerError {
-    /// Still loading, failed, stopping or retired.
+    /// Still loading, or its load failed.
     #[error("model '{model}' is not ready")]
     NotReady { model: String },
+    /// Loaded, but every instance is down (its engine failed) and restarting.
+    #[error("model '{model}' is down: every instance failed and is restarting; retry later")]
+    Down { model: String },
+    /// The model is stopping (the server stops, or the model is unloaded or replaced):
+    /// its queue no longer runs.
+    #[error("model '{model}' is stopping")]
+    Stopping { model: String },
+    /// Unloaded or replaced after the request found it: the request may be sent again.
+    #[error("model '{model}' was unloaded or replaced; send the request again")]
+    Retired { model: String },
     /// Its priority level's queue was full at admission (Triton's `max_queue_size`).
     #[error("model '{model}' is busy: its queue is full, retry later")]
     Overloaded { model: String },
@@ -49,19 +61,63 @@ pub enum SchedulerError {
         waited_ms: u64,
         timeout_ms: u64,
     },
-    /// The engine failed the batch its rows ran in. Why is logged, not told: an engine's
-    /// message may name files and libraries.
-    #[error("model '{model}' failed on the batch these rows ran in; the server log says why")]
-    Failed { model: String },
+    #[error(transparent)]
+    Failed(BatchFailed),
+}
+
+/// The engine failed the batch a request's rows ran in. Why is logged, not told: an
+/// engine's message may name files and libraries.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("model '{model}' failed on the batch these rows ran in; the server log says why")]
+pub struct BatchFailed {
+    pub model: String,
 }
 
 impl HasKind for SchedulerError {
     fn kind(&self) -> ErrorKind {
         match self {
             SchedulerError::NotReady { .. } => ErrorKind::NotReady,
+            SchedulerError::Down { .. } => ErrorKind::ModelDown,
+            SchedulerError::Stopping { .. } => ErrorKind::ShuttingDown,
+            SchedulerError::Retired { .. } => ErrorKind::ModelUnloaded,
             SchedulerError::Overloaded { .. } => ErrorKind::Overloaded,
             SchedulerError::Expired { .. } => ErrorKind::DeadlineExceeded,
-            SchedulerError::Failed { .. } => ErrorKind::ModelFailed,
+            SchedulerError::Failed(_) => ErrorKind::ModelFailed,
+        }
+    }
+}
+
+impl SchedulerError {
+    /// The `reason` label of Triton's failure counter for a request that ended so.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            SchedulerError::Overloaded { .. } | SchedulerError::Expired { .. } => reason::REJECTED,
+            SchedulerError::Failed(_) => reason::BACKEND,
+            SchedulerError::NotReady { .. } => reason::NOT_READY,
+            SchedulerError::Down { .. } => reason::MODEL_DOWN,
+            SchedulerError::Stopping { .. } => reason::STOPPING,
+            SchedulerError::Retired { .. } => reason::UNLOADED,
+        }
+    }
+}
+
+/// Why one row of a request has no output.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RowFailure {
+    /// Its input cannot be used (empty, undecodable, too large).
+    #[error(transparent)]
+    Unusable(PreprocessError),
+    /// The engine failed the batch it ran in.
+    #[error(transparent)]
+    ModelFailed(BatchFailed),
+}
+
+impl RowFailure {
+    /// The per-row error code (`/predict`'s per-file `code`).
+    pub fn code(&self) -> &'static str {
+        match self {
+            RowFailure::Unusable(e) => e.code(),
+            RowFailure::ModelFailed(_) => ErrorKind::ModelFailed.code(),
         }
     }
 }
@@ -93,10 +149,10 @@ pub struct RowOutput {
 
 /// A job's answer: each row's output, or the engine's failure of the batch it ran in; or
 /// the whole job's error (expired, the model stopped).
-pub(crate) type JobResult = Result<Vec<Result<RowOutput, SchedulerError>>, SchedulerError>;
+pub(crate) type JobResult = Result<Vec<Result<RowOutput, BatchFailed>>, SchedulerError>;
 
 struct Collect {
-    outputs: Vec<Option<Result<RowOutput, SchedulerError>>>,
+    outputs: Vec<Option<Result<RowOutput, BatchFailed>>>,
     remaining: usize,
     reply: Option<oneshot::Sender<JobResult>>,
 }
@@ -178,7 +234,7 @@ impl JobState {
 
     /// The engine failed the batch that held `range`: those rows get `error`, the job's
     /// other rows are unaffected.
-    fn fail_rows(&self, range: Range<usize>, error: SchedulerError) {
+    fn fail_rows(&self, range: Range<usize>, error: BatchFailed) {
         let len = range.len();
         self.settle(range, std::iter::repeat_n(Err(error), len));
     }
@@ -186,7 +242,7 @@ impl JobState {
     fn settle(
         &self,
         range: Range<usize>,
-        results: impl Iterator<Item = Result<RowOutput, SchedulerError>>,
+        results: impl Iterator<Item = Result<RowOutput, BatchFailed>>,
     ) {
         let mut c = self.lock();
         let len = range.len();

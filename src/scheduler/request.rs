@@ -11,14 +11,14 @@ use tokio::sync::oneshot;
 
 use super::cache::{CacheKey, ResponseCache};
 use super::handle::{Inner, QueuePlace};
-use super::SchedulerError;
 use super::{
-    Admitted, InferJob, JobResult, JobState, ModelHandle, RequestMark, RowFormat, RowOutput,
+    Admitted, BatchFailed, InferJob, JobResult, JobState, ModelHandle, ModelState, RequestMark,
+    RowFailure, RowFormat, RowOutput, SchedulerError,
 };
 use crate::domain::RequestOptions;
 use crate::engine::OutputRequest;
-use crate::error::{ErrorKind, GatewayError};
-use crate::preprocess::Row;
+use crate::error::{ErrorKind, GatewayError, HasKind};
+use crate::preprocess::{PreprocessError, Row};
 use crate::telemetry::{micros, reason, Latency};
 
 /// The fewest rows a job is submitted with while a request's rows still arrive (unless they
@@ -34,29 +34,28 @@ pub struct RequestSpec {
     pub options: RequestOptions,
     pub format: RowFormat,
     pub want: OutputRequest,
+    pub failures: RowFailures,
 }
 
-/// One row of a request as it arrives.
-pub enum RowIn<F> {
-    Row(Row),
-    /// The row has no input (an unusable file): its result is this error, and the other
-    /// rows are unaffected.
-    Failed(F),
-    /// The request cannot go on (a malformed upload, a row that fails the whole request):
-    /// its queued rows are dropped unrun.
+/// How a request's rows fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowFailures {
+    /// One by one: a row that fails gets its own `RowFailure` and the other rows keep
+    /// their outputs (`/predict`'s per-file answers).
+    OneByOne,
+    /// Together: the first row that fails ends the request, its queued rows dropped unrun
+    /// (KServe has no per-row errors).
+    Together,
+}
+
+/// One row of a request as it arrives, with the caller's tag for it (a file's name).
+pub enum RowIn<T> {
+    Row(T, Row),
+    /// Its input cannot be used.
+    Unusable(T, PreprocessError),
+    /// The request cannot go on (a malformed upload): its queued rows are dropped unrun.
     Abort(GatewayError),
 }
-
-/// A request's own error for one row. `failed_batch` says what a row whose batch the
-/// engine failed becomes: its own error, the request's other rows keeping their outputs
-/// (`/predict`'s per-file answers), or, with `None`, the whole request's error.
-pub trait RowError: Sized {
-    fn failed_batch(_error: &SchedulerError) -> Option<Self> {
-        None
-    }
-}
-
-impl RowError for std::convert::Infallible {}
 
 /// Why a request got no rows back.
 #[derive(Debug)]
@@ -65,6 +64,8 @@ pub enum RunError {
     Scheduler(SchedulerError),
     /// The caller's rows ended the request (`RowIn::Abort`).
     Aborted(GatewayError),
+    /// Rows fail together, and this one (its place in arrival order) cannot be used.
+    Unusable { row: usize, error: PreprocessError },
 }
 
 impl From<RunError> for GatewayError {
@@ -72,12 +73,15 @@ impl From<RunError> for GatewayError {
         match e {
             RunError::Scheduler(e) => e.into(),
             RunError::Aborted(e) => e,
+            RunError::Unusable { row, error } => {
+                GatewayError::new(error.kind(), format!("row {row}: {error}"))
+            }
         }
     }
 }
 
-/// Each row's output (or its own error), in the order the rows came.
-pub type RunResult<F> = Result<Vec<Result<RowOutput, F>>, RunError>;
+/// Each row's tag and its output (or why it has none), in the order the rows came.
+pub type RunResult<T> = Result<Vec<(T, Result<RowOutput, RowFailure>)>, RunError>;
 
 impl ModelHandle {
     /// Runs one request: once its first row is there, takes a place in the queue (or
@@ -86,14 +90,14 @@ impl ModelHandle {
     /// every row in order. A request still waiting for its first row (a slow upload) holds
     /// no place. Dropping the future cancels the request: its queued rows leave the queue
     /// unrun and it counts as Triton's `CANCELED`. Every outcome is counted once, here.
-    pub async fn run<F: RowError>(
+    pub async fn run<T>(
         &self,
         spec: RequestSpec,
-        rows: impl Stream<Item = RowIn<F>>,
-    ) -> RunResult<F> {
+        rows: impl Stream<Item = RowIn<T>>,
+    ) -> RunResult<T> {
         // Refused at once, before any row is read, when it would be at its first row.
         if let Err(e) = self.would_admit(spec.options) {
-            self.account(outcome_of_error(&e), Instant::now());
+            self.account(Outcome::Failed(e.reason()), Instant::now());
             return Err(RunError::Scheduler(e));
         }
         let mut rows = std::pin::pin!(rows);
@@ -113,13 +117,13 @@ impl ModelHandle {
         let mut admission = match admitted {
             Ok(admission) => admission,
             Err(e) => {
-                self.account(outcome_of_error(&e), Instant::now());
+                self.account(Outcome::Failed(e.reason()), Instant::now());
                 return Err(RunError::Scheduler(e));
             }
         };
         let result = admission.feed(spec, rows).await;
         admission.finish(if admission.batch_failed {
-            Outcome::Failed
+            Outcome::Failed(reason::BACKEND)
         } else {
             outcome_of(&result)
         });
@@ -127,11 +131,19 @@ impl ModelHandle {
     }
 
     /// Whether the model would take a request now: ready, not retired, a queue place free.
+    /// The one readiness check of a request, counted where it refuses.
     fn would_admit(&self, options: RequestOptions) -> Result<usize, SchedulerError> {
         let inner = &self.inner;
         let model = || inner.name.to_string();
-        if !self.is_ready() || inner.retired.load(Ordering::SeqCst) {
-            return Err(SchedulerError::NotReady { model: model() });
+        if inner.retired.load(Ordering::SeqCst) {
+            return Err(SchedulerError::Retired { model: model() });
+        }
+        match self.state() {
+            ModelState::Ready => {}
+            ModelState::Down(_) => return Err(SchedulerError::Down { model: model() }),
+            ModelState::Loading | ModelState::Failed(_) => {
+                return Err(SchedulerError::NotReady { model: model() })
+            }
         }
         let level = inner.policy.level(options.priority);
         if inner.queue_places[level].available_permits() == 0 {
@@ -181,10 +193,7 @@ impl ModelHandle {
                     .observe(Latency::Request, &labels, micros(started.elapsed()), 1);
                 return;
             }
-            Outcome::Rejected => reason::REJECTED,
-            Outcome::Cancelled => reason::CANCELED,
-            Outcome::Failed => reason::BACKEND,
-            Outcome::NotReady | Outcome::Aborted => reason::OTHER,
+            Outcome::Failed(why) => why,
         };
         m.request_failure
             .with_label_values(&[labels[0], labels[1], why])
@@ -213,7 +222,8 @@ impl<'a> Arriving<'a> {
 impl Drop for Arriving<'_> {
     fn drop(&mut self) {
         if self.counts_as_cancelled {
-            self.handle.account(Outcome::Cancelled, Instant::now());
+            self.handle
+                .account(Outcome::Failed(reason::CANCELED), Instant::now());
         }
         let inner = &self.handle.inner;
         inner.arriving.fetch_sub(1, Ordering::SeqCst);
@@ -221,37 +231,23 @@ impl Drop for Arriving<'_> {
     }
 }
 
-/// How a request ended, as counted.
+/// How a request ended, as counted: completed, or failed with the `reason` label of
+/// Triton's failure counter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Outcome {
     Completed,
-    /// Queue full, or expired in the queue (Triton counts both as `REJECTED`).
-    Rejected,
-    /// The caller went away (dropped the request).
-    Cancelled,
-    /// The engine failed (`BACKEND`).
-    Failed,
-    NotReady,
-    /// Its own rows ended it (`OTHER`).
-    Aborted,
+    Failed(&'static str),
 }
 
 fn outcome_of<T>(result: &Result<T, RunError>) -> Outcome {
-    match result {
-        Ok(_) => Outcome::Completed,
-        Err(RunError::Scheduler(e)) => outcome_of_error(e),
+    Outcome::Failed(match result {
+        Ok(_) => return Outcome::Completed,
+        Err(RunError::Scheduler(e)) => e.reason(),
         // The caller's rows ended because its client left (a cut-off upload).
-        Err(RunError::Aborted(e)) if e.kind() == ErrorKind::Cancelled => Outcome::Cancelled,
-        Err(RunError::Aborted(_)) => Outcome::Aborted,
-    }
-}
-
-fn outcome_of_error(e: &SchedulerError) -> Outcome {
-    match e {
-        SchedulerError::Overloaded { .. } | SchedulerError::Expired { .. } => Outcome::Rejected,
-        SchedulerError::Failed { .. } => Outcome::Failed,
-        SchedulerError::NotReady { .. } => Outcome::NotReady,
-    }
+        Err(RunError::Aborted(e)) if e.kind() == ErrorKind::Cancelled => reason::CANCELED,
+        // Its own rows ended it.
+        Err(RunError::Aborted(_) | RunError::Unusable { .. }) => reason::OTHER,
+    })
 }
 
 /// One admitted request. Dropped before `finish` (its caller went away), it counts as
@@ -274,13 +270,14 @@ struct Admission {
 
 impl Admission {
     /// Submits the rows in chunks as they arrive, then waits for every chunk's outputs.
-    async fn feed<F: RowError>(
+    async fn feed<T>(
         &mut self,
         spec: RequestSpec,
-        rows: impl Stream<Item = RowIn<F>>,
-    ) -> RunResult<F> {
-        // Per row in arrival order: `Ok` takes the next output, `Err` is the row's own error.
-        let mut slots: Vec<Result<(), F>> = Vec::new();
+        rows: impl Stream<Item = RowIn<T>>,
+    ) -> RunResult<T> {
+        // Per row in arrival order: its tag, and its own failure (`None`: it takes the next
+        // output).
+        let mut slots: Vec<(T, Option<RowFailure>)> = Vec::new();
         let mut pending = Vec::new();
         let mut chunk = Vec::with_capacity(CHUNK_ROWS);
         let mut rows = std::pin::pin!(rows);
@@ -298,11 +295,19 @@ impl Admission {
             };
             match next {
                 None => break,
-                Some(RowIn::Row(row)) => {
+                Some(RowIn::Row(tag, row)) => {
                     chunk.push(row);
-                    slots.push(Ok(()));
+                    slots.push((tag, None));
                 }
-                Some(RowIn::Failed(e)) => slots.push(Err(e)),
+                Some(RowIn::Unusable(_, error)) if spec.failures == RowFailures::Together => {
+                    return Err(RunError::Unusable {
+                        row: slots.len(),
+                        error,
+                    })
+                }
+                Some(RowIn::Unusable(tag, error)) => {
+                    slots.push((tag, Some(RowFailure::Unusable(error))))
+                }
                 Some(RowIn::Abort(e)) => return Err(RunError::Aborted(e)),
             }
         }
@@ -314,26 +319,24 @@ impl Admission {
         let mut outputs = Vec::with_capacity(slots.len());
         for chunk in pending {
             for output in chunk.wait(&self.handle.inner).await? {
-                outputs.push(match output {
-                    Ok(output) => Ok(output),
-                    Err(failed) => {
-                        self.batch_failed = true;
-                        match F::failed_batch(&failed) {
-                            Some(own) => Err(own),
-                            None => return Err(RunError::Scheduler(failed)),
-                        }
+                if let Err(failed) = &output {
+                    self.batch_failed = true;
+                    if spec.failures == RowFailures::Together {
+                        return Err(RunError::Scheduler(SchedulerError::Failed(failed.clone())));
                     }
-                });
+                }
+                outputs.push(output.map_err(RowFailure::ModelFailed));
             }
         }
         let mut outputs = outputs.into_iter();
         slots
             .into_iter()
-            .map(|slot| match slot {
-                Ok(()) => outputs
+            .map(|(tag, failure)| match failure {
+                None => outputs
                     .next()
+                    .map(|output| (tag, output))
                     .ok_or_else(|| missing_outputs(&self.handle.inner)),
-                Err(e) => Ok(Err(e)),
+                Some(failure) => Ok((tag, Err(failure))),
             })
             .collect()
     }
@@ -379,7 +382,7 @@ impl Admission {
             timeout: self.timeout,
         };
         inner.jobs.send(admitted).await.map_err(|_| {
-            RunError::Scheduler(SchedulerError::NotReady {
+            RunError::Scheduler(SchedulerError::Stopping {
                 model: inner.name.to_string(),
             })
         })?;
@@ -395,7 +398,8 @@ impl Admission {
 impl Drop for Admission {
     fn drop(&mut self) {
         if !self.finished {
-            self.handle.account(Outcome::Cancelled, self.started);
+            self.handle
+                .account(Outcome::Failed(reason::CANCELED), self.started);
         }
     }
 }
@@ -409,12 +413,12 @@ struct PendingRows {
 
 impl PendingRows {
     /// Each row's output, or the engine's failure of the batch it ran in.
-    async fn wait(self, inner: &Inner) -> Result<Vec<Result<RowOutput, SchedulerError>>, RunError> {
+    async fn wait(self, inner: &Inner) -> Result<Vec<Result<RowOutput, BatchFailed>>, RunError> {
         let model = || inner.name.to_string();
         let computed = self
             .computed
             .await
-            .unwrap_or_else(|_| Err(SchedulerError::NotReady { model: model() }))
+            .unwrap_or_else(|_| Err(SchedulerError::Stopping { model: model() }))
             .map_err(RunError::Scheduler)?;
         let Some(found) = self.cached else {
             return Ok(computed);
@@ -435,9 +439,9 @@ impl PendingRows {
 /// An engine that answered fewer rows than it was given.
 fn missing_outputs(inner: &Inner) -> RunError {
     tracing::error!(model = %inner.name, "the engine answered fewer rows than it was given");
-    RunError::Scheduler(SchedulerError::Failed {
+    RunError::Scheduler(SchedulerError::Failed(BatchFailed {
         model: inner.name.to_string(),
-    })
+    }))
 }
 
 /// Looks every row of `job` up in the cache and counts hits and misses: each row's cached

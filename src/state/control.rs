@@ -62,7 +62,8 @@ pub fn load_parameters(
             }
             (n, _) if n.starts_with("file:") => {
                 return Err(GatewayError::invalid(format!(
-                    "load parameter '{n}': override files are not supported; put the files in                      the model's directory of the repository, then load it"
+                    "load parameter '{n}': override files are not supported; put the files in \
+                     the model's directory of the repository, then load it"
                 )))
             }
             (n, _) => {
@@ -139,13 +140,9 @@ impl Registry {
         }
     }
 
-    /// Load and unload are open only in explicit mode and where a key restricts them, to
-    /// requests that carry it (checked where the request entered, and again here).
-    pub fn authorize_control(
-        &self,
-        restrictions: &Restrictions,
-        header: impl Fn(&str) -> Option<String>,
-    ) -> Result<(), GatewayError> {
+    /// Load and unload are open only in explicit mode and where a key restricts them (the
+    /// key itself is checked where the request entered, by its route's category).
+    pub fn authorize_control(&self, restrictions: &Restrictions) -> Result<(), GatewayError> {
         if !restrictions.is_restricted(Endpoint::RepositoryControl) {
             return Err(GatewayError::new(
                 ErrorKind::Forbidden,
@@ -155,7 +152,6 @@ impl Registry {
                  <header>=<key>) and send that header",
             ));
         }
-        restrictions.check(Endpoint::RepositoryControl, header)?;
         if self.control.mode != ControlMode::Explicit {
             return Err(GatewayError::invalid(format!(
                 "explicit model load and unload need --model-control-mode explicit (this \
@@ -488,4 +484,23 @@ fn with_steps(scan: &ScanResult, name: &str) -> Result<Vec<RepositoryModel>, Str
         out.push(m.clone());
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn override_files_are_refused_in_one_plain_sentence() {
+        let params = [(
+            "file:1/model.pt".to_string(),
+            ControlParam::Text("x".into()),
+        )];
+        let message = load_parameters(params).unwrap_err().to_string();
+        assert!(!message.contains("  "), "{message}");
+        assert!(
+            message.contains("put the files in the model's directory"),
+            "{message}"
+        );
+    }
 }

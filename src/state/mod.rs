@@ -99,8 +99,6 @@ pub enum LookupError {
         version: ModelVersion,
         loaded: String,
     },
-    #[error("model '{name}' is not ready")]
-    NotReady { name: String },
     #[error(
         "model '{name}' does not take encoded images; /predict needs an image ensemble such \
          as 'ensemble_model'"
@@ -112,7 +110,6 @@ impl HasKind for LookupError {
     fn kind(&self) -> ErrorKind {
         match self {
             LookupError::Unknown { .. } | LookupError::NoSuchVersion { .. } => ErrorKind::NotFound,
-            LookupError::NotReady { .. } => ErrorKind::NotReady,
             LookupError::NotAnImageModel { .. } | LookupError::InvalidName(_) => {
                 ErrorKind::InvalidInput
             }

@@ -84,13 +84,11 @@ impl Registry {
         })
     }
 
-    /// The image pipeline behind `name`, for `/predict`.
+    /// The image pipeline behind `name`, for `/predict` (its classifier's queue says
+    /// whether it is ready, where the request is counted).
     pub fn image_pipeline(&self, name: &str) -> Result<ImagePipeline, LookupError> {
         match self.model(name)? {
-            ServedModel::Ensemble { pipeline, .. } if pipeline.classifier.is_ready() => {
-                Ok(pipeline)
-            }
-            ServedModel::Ensemble { .. } => Err(LookupError::NotReady { name: name.into() }),
+            ServedModel::Ensemble { pipeline, .. } => Ok(pipeline),
             _ => Err(LookupError::NotAnImageModel { name: name.into() }),
         }
     }

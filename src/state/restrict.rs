@@ -39,39 +39,6 @@ impl Endpoint {
         })
     }
 
-    /// The endpoint an HTTP path belongs to (`None`: the upload page, the API docs).
-    pub fn of_http_path(path: &str) -> Option<Endpoint> {
-        use Endpoint::*;
-        let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
-        Some(match parts.as_slice() {
-            ["predict"] => Inference,
-            ["v2"] => Metadata,
-            ["v2", "health", ..] => Health,
-            ["v2", "logging"] => Logging,
-            ["v2", "trace", ..] => Trace,
-            ["v2", "systemsharedmemory" | "cudasharedmemory", ..] => SharedMemory,
-            ["v2", "repository", "index"] => RepositoryIndex,
-            ["v2", "repository", ..] => RepositoryControl,
-            ["v2", "models", "stats"] => Statistics,
-            ["v2", "models", _, rest @ ..] => {
-                let rest = match rest {
-                    ["versions", _, rest @ ..] => rest,
-                    rest => rest,
-                };
-                match rest {
-                    [] => Metadata,
-                    ["ready"] => Health,
-                    ["config"] => ModelConfig,
-                    ["stats"] => Statistics,
-                    ["infer" | "generate" | "generate_stream"] => Inference,
-                    ["trace", ..] => Trace,
-                    _ => return None,
-                }
-            }
-            _ => return None,
-        })
-    }
-
     /// The endpoint of a gRPC method of `inference.GRPCInferenceService`.
     pub fn of_grpc_method(method: &str) -> Option<Endpoint> {
         use Endpoint::*;
@@ -276,39 +243,8 @@ mod tests {
     }
 
     #[test]
-    fn every_route_has_its_category() {
+    fn every_grpc_method_has_its_category() {
         use Endpoint::*;
-        for (path, endpoint) in [
-            ("/predict", Some(Inference)),
-            ("/v2", Some(Metadata)),
-            ("/v2/health/live", Some(Health)),
-            ("/v2/health/ready", Some(Health)),
-            ("/v2/models/m", Some(Metadata)),
-            ("/v2/models/m/versions/1", Some(Metadata)),
-            ("/v2/models/m/ready", Some(Health)),
-            ("/v2/models/m/versions/1/ready", Some(Health)),
-            ("/v2/models/m/config", Some(ModelConfig)),
-            ("/v2/models/m/stats", Some(Statistics)),
-            ("/v2/models/stats", Some(Statistics)),
-            ("/v2/models/m/versions/1/infer", Some(Inference)),
-            ("/v2/models/m/infer", Some(Inference)),
-            ("/v2/repository/index", Some(RepositoryIndex)),
-            ("/v2/repository/models/m/load", Some(RepositoryControl)),
-            ("/v2/repository/models/m/unload", Some(RepositoryControl)),
-            ("/v2/systemsharedmemory/status", Some(SharedMemory)),
-            (
-                "/v2/systemsharedmemory/region/r/register",
-                Some(SharedMemory),
-            ),
-            ("/v2/cudasharedmemory/status", Some(SharedMemory)),
-            ("/v2/logging", Some(Logging)),
-            ("/v2/trace/setting", Some(Trace)),
-            ("/", None),
-            ("/docs/", None),
-            ("/openapi.json", None),
-        ] {
-            assert_eq!(Endpoint::of_http_path(path), endpoint, "{path}");
-        }
         for (method, endpoint) in [
             ("ServerLive", Some(Health)),
             ("ModelReady", Some(Health)),

@@ -65,7 +65,8 @@ pub fn init(levels: LogLevels) {
     };
 }
 
-/// Triton's `nv_inference_request_failure` reasons.
+/// The `reason` labels of `nv_inference_request_failure`: Triton's four, and the refusals
+/// Triton counts as `OTHER`, each named.
 pub mod reason {
     /// Refused at admission (queue full), or timed out in the queue.
     pub const REJECTED: &str = "REJECTED";
@@ -73,8 +74,20 @@ pub mod reason {
     pub const CANCELED: &str = "CANCELED";
     /// The model (engine) failed.
     pub const BACKEND: &str = "BACKEND";
-    /// Anything else (model not ready, shutting down).
+    /// Ended by its own input (a malformed upload, an unusable row of a KServe request).
     pub const OTHER: &str = "OTHER";
+    /// The model is loading, or its load failed.
+    pub const NOT_READY: &str = "NOT_READY";
+    /// Every instance of the model is down and restarting.
+    pub const MODEL_DOWN: &str = "MODEL_DOWN";
+    /// The model is stopping (the server stops, or the model is unloaded).
+    pub const STOPPING: &str = "STOPPING";
+    /// The model was unloaded or replaced after the request found it.
+    pub const UNLOADED: &str = "UNLOADED";
+    /// Every reason, for series created at zero.
+    pub const ALL: [&str; 8] = [
+        REJECTED, CANCELED, BACKEND, OTHER, NOT_READY, MODEL_DOWN, STOPPING, UNLOADED,
+    ];
 }
 
 #[derive(Debug)]
@@ -234,12 +247,7 @@ impl Metrics {
         self.latency.register_model(&mv);
         self.cache_hits.with_label_values(&mv);
         self.cache_misses.with_label_values(&mv);
-        for r in [
-            reason::REJECTED,
-            reason::CANCELED,
-            reason::BACKEND,
-            reason::OTHER,
-        ] {
+        for r in reason::ALL {
             self.request_failure.with_label_values(&[model, version, r]);
         }
     }

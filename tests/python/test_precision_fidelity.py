@@ -7,7 +7,7 @@ pipeline, on the 40 test photos and the registry photos (tests/fixtures/photos/r
 Near-ties (FP32's top two probabilities less than 0.02 apart) are reported separately:
 there a flip is a coin toss, not an error. A precision is recommended at >= 99% top-1
 agreement with FP32, near-ties excused; the test holds bf16 to that. The figures go to
-test-artifacts/precision-fidelity.json and the README's table.
+test-artifacts/precision-fidelity.json and the table in docs/model-repository.md (Precision).
 """
 
 import json
