@@ -33,12 +33,15 @@ pub fn note_activity() {
 
 /// Gives free pages back once no batch has run and no image has been decoded for a whole
 /// `idle` period, once per quiet spell: a busy process keeps reusing its pages, a quiet
-/// one returns what its last burst left. Runs until the runtime ends.
-pub async fn release_when_idle(idle: Duration) {
+/// one returns what its last burst left. Runs until `stop` is cancelled.
+pub async fn release_when_idle(idle: Duration, stop: tokio_util::sync::CancellationToken) {
     let mut seen = ACTIVITY.load(Ordering::Relaxed);
     let mut released = true;
     loop {
-        tokio::time::sleep(idle).await;
+        tokio::select! {
+            () = tokio::time::sleep(idle) => {}
+            () = stop.cancelled() => return,
+        }
         let now = ACTIVITY.load(Ordering::Relaxed);
         if now != seen {
             seen = now;
@@ -71,5 +74,21 @@ pub fn release_free_memory() {
         if rc != 0 {
             tracing::debug!(rc, "jemalloc purge failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_idle_release_ends_when_stopped() {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn(release_when_idle(Duration::from_secs(3600), stop.clone()));
+        stop.cancel();
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .expect("it ends at once, not after its idle period")
+            .unwrap();
     }
 }

@@ -1,0 +1,130 @@
+//! Which engine runs the classifiers, and the one factory every instance thread calls to
+//! load its engine: libtorch (with why CUDA cannot start on a host whose GPUs it cannot
+//! use) or the deterministic fake of the tests. A new model runtime joins here.
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::Tf32;
+use crate::engine::{self, cuda_host, Engine, FakeFaults, TorchEngine};
+use crate::scheduler::EngineFactory;
+use crate::telemetry;
+
+/// Which engine runs the classifiers.
+#[derive(Clone)]
+pub enum EngineChoice {
+    /// libtorch, loading each model's TorchScript file.
+    Torch,
+    /// The deterministic fake (tests): `num_classes` classes, `latency` per batch, and the
+    /// faults a test orders.
+    Fake {
+        num_classes: usize,
+        latency: Duration,
+        faults: Arc<FakeFaults>,
+    },
+}
+
+/// The engines of this process: the factory, and the GPUs instances can be planned on.
+pub struct Engines {
+    pub factory: EngineFactory,
+    /// GPUs libtorch can use.
+    pub gpu_count: usize,
+    /// GPUs of the host that CUDA cannot start on: `KIND_GPU` instances are planned on
+    /// them so that they fail with the reason rather than run on the CPU.
+    pub unusable_gpus: usize,
+}
+
+impl Engines {
+    /// The engines of `choice`; libtorch with `intra_op_threads` per instance and TF32 as
+    /// `tf32` says.
+    pub fn new(
+        choice: EngineChoice,
+        intra_op_threads: usize,
+        tf32: Tf32,
+    ) -> anyhow::Result<Engines> {
+        match choice {
+            EngineChoice::Torch => torch(intra_op_threads, tf32),
+            EngineChoice::Fake {
+                num_classes,
+                latency,
+                faults,
+            } => Ok(Engines {
+                factory: Arc::new(move |path, _, _| {
+                    Ok(Box::new(faults.load(path, num_classes, latency)?) as Box<dyn Engine>)
+                }),
+                gpu_count: 0,
+                unusable_gpus: 0,
+            }),
+        }
+    }
+}
+
+fn torch(intra_op_threads: usize, tf32: Tf32) -> anyhow::Result<Engines> {
+    let torch_gpus = engine::cuda_device_count();
+    match cuda_host::cuda_support() {
+        cuda_host::CudaSupport::Loaded => {
+            tracing::info!(gpus = torch_gpus, "libtorch CUDA support loaded")
+        }
+        cuda_host::CudaSupport::NoDriver => {
+            tracing::info!("no NVIDIA driver (libcuda.so.1): libtorch's CUDA support not loaded")
+        }
+        cuda_host::CudaSupport::Failed(why) => {
+            tracing::error!("libtorch's CUDA support did not load: {why}")
+        }
+    }
+    let host_gpus = host_gpus(torch_gpus);
+    let problem = (host_gpus > 0 && torch_gpus == 0)
+        .then(|| cuda_host::cuda_problem(cuda_host::runtime_version(), &cuda_host::driver_state()))
+        .flatten();
+    if let Some(why) = &problem {
+        tracing::error!("CUDA cannot start; KIND_GPU models will fail to load: {why}");
+    }
+    if tf32 != Tf32::Default {
+        engine::cuda::set_allow_tf32(tf32 == Tf32::On)
+            .map_err(|e| anyhow::anyhow!("--tf32: {e}"))?;
+    }
+    if torch_gpus > 0 {
+        let (cudnn, cublas) = engine::cuda::allow_tf32();
+        tracing::info!(
+            gpus = torch_gpus,
+            "TF32: cuDNN convolutions {cudnn}, cuBLAS matmuls {cublas}"
+        );
+    }
+    let unusable_gpus = if problem.is_some() { host_gpus } else { 0 };
+    let factory: EngineFactory = Arc::new(move |path, id, precision| {
+        if let (Some(why), Some(_)) = (&problem, id.gpu) {
+            return Err(engine::EngineError::Load {
+                path: format!("instance {id}"),
+                message: format!("CUDA cannot start on this host: {why}"),
+            });
+        }
+        // Per thread: libtorch's intra-op pool size is a thread-local setting. GPU
+        // instances too, so the little CPU work they do (the copy into the staging buffer)
+        // never spreads over the cores decoding needs.
+        tch::set_num_threads(intra_op_threads as i32);
+        Ok(Box::new(TorchEngine::load(path, id.gpu, precision)?) as Box<dyn Engine>)
+    });
+    Ok(Engines {
+        factory,
+        gpu_count: torch_gpus,
+        unusable_gpus,
+    })
+}
+
+/// The NVIDIA GPUs the driver sees (NVML), logged beside libtorch's view.
+fn host_gpus(torch_gpus: usize) -> usize {
+    telemetry::Nvml::open().map_or(0, |nvml| {
+        let (driver, cuda) = nvml.versions();
+        let runtime =
+            cuda_host::runtime_version().map_or("none".to_string(), cuda_host::version_text);
+        let gpus = nvml.count() as usize;
+        tracing::info!(
+            driver,
+            driver_cuda = cuda,
+            gpus,
+            libtorch_cuda_runtime = runtime,
+            libtorch_gpus = torch_gpus,
+            "NVIDIA driver"
+        );
+        gpus
+    })
+}
