@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::Tf32;
+use crate::config::{EngineSettings, Tf32};
 use crate::engine::{self, cuda_host, Engine, FakeFaults, TorchEngine};
 use crate::scheduler::EngineFactory;
 use crate::telemetry;
@@ -34,15 +34,10 @@ pub struct Engines {
 }
 
 impl Engines {
-    /// The engines of `choice`; libtorch with `intra_op_threads` per instance and TF32 as
-    /// `tf32` says.
-    pub fn new(
-        choice: EngineChoice,
-        intra_op_threads: usize,
-        tf32: Tf32,
-    ) -> anyhow::Result<Engines> {
+    /// The engines of `choice` (libtorch's intra-op threads and TF32 as `settings` say).
+    pub fn new(choice: EngineChoice, settings: EngineSettings) -> anyhow::Result<Engines> {
         match choice {
-            EngineChoice::Torch => torch(intra_op_threads, tf32),
+            EngineChoice::Torch => torch(settings.intra_op_threads, settings.tf32),
             EngineChoice::Fake {
                 num_classes,
                 latency,

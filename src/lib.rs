@@ -34,7 +34,7 @@ pub use engines::EngineChoice;
 use engines::Engines;
 use listeners::{GrpcListener, HttpListener};
 use scheduler::ModelState;
-use state::{AppState, BuildOptions, UploadLimits};
+use state::{AppState, BuildOptions, StateSettings};
 
 /// A running gateway: its bound addresses (`None`: that listener is off, Triton's
 /// `--allow-*`) and the handles to stop it.
@@ -58,10 +58,9 @@ impl Gateway {
     /// Loads the repository, starts the models and binds the listeners. Returns once bound;
     /// the models finish loading in the background (see [`Gateway::wait_ready`]).
     pub async fn start(settings: Settings, engine: EngineChoice) -> anyhow::Result<Gateway> {
-        let cfg = &settings.config;
         let scan = repository::scan(&settings.control.repositories)
             .context("reading the model repository")?;
-        let engines = Engines::new(engine, cfg.intra_op_threads, cfg.tf32)?;
+        let engines = Engines::new(engine, settings.engine)?;
         let decode_threads = decode_threads(&settings, &scan, &engines);
         let state = web::Data::new(build_state(&settings, scan, engines, decode_threads));
         let background = CancellationToken::new();
@@ -72,17 +71,23 @@ impl Gateway {
             let (state, stop) = (state.clone(), background.child_token());
             tokio::spawn(async move { state.registry.poll_loop(stop).await })
         });
-        let http = match listening("HTTP", cfg.allow_http, "--allow-http") {
-            true => Some(start_http(&settings, &state)?),
-            false => None,
+        let listen = settings.listen;
+        let http = match listening("HTTP", listen.http, "--allow-http") {
+            Some(port) => Some(start_http(&settings, &state, port)?),
+            None => None,
         };
-        let grpc = match listening("gRPC", cfg.allow_grpc, "--allow-grpc") {
-            true => Some(start_grpc(&settings, &state).await?),
-            false => None,
+        let grpc = match listening("gRPC", listen.grpc, "--allow-grpc") {
+            Some(port) => Some(start_grpc(&settings, &state, port).await?),
+            None => None,
         };
-        let metrics = match listening("metrics", cfg.allow_metrics, "--allow-metrics") {
-            true => Some(start_metrics(&settings, &state, background.child_token())?),
-            false => None,
+        let metrics = match listening("metrics", listen.metrics, "--allow-metrics") {
+            Some(port) => Some(start_metrics(
+                &settings,
+                &state,
+                port,
+                background.child_token(),
+            )?),
+            None => None,
         };
         Ok(Gateway {
             http_addr: http.as_ref().map(|l| l.addr),
@@ -176,12 +181,12 @@ impl Gateway {
     }
 }
 
-/// Whether a listener is on; logs the flag that turned it off.
-fn listening(name: &str, allowed: bool, flag: &str) -> bool {
-    if !allowed {
+/// A listener's port, or `None` when it is off (logging the flag that turned it off).
+fn listening(name: &str, port: Option<u16>, flag: &str) -> Option<u16> {
+    if port.is_none() {
         tracing::info!("{name} off ({flag}=false)");
     }
-    allowed
+    port
 }
 
 /// Decode threads: `--decode-threads`, or the default for the cores and whether any
@@ -211,14 +216,6 @@ fn decode_threads(settings: &Settings, scan: &repository::ScanResult, engines: &
     threads
 }
 
-/// How fast a request body must keep arriving, on both transports.
-fn body_pace(settings: &Settings) -> pace::BodyPace {
-    pace::BodyPace {
-        timeout: Duration::from_secs(settings.config.body_timeout_secs),
-        min_rate: settings.config.body_min_rate,
-    }
-}
-
 /// The shared state: the decode pool, and the models the control mode loads at start-up.
 fn build_state(
     settings: &Settings,
@@ -226,7 +223,7 @@ fn build_state(
     engines: Engines,
     decode_threads: usize,
 ) -> AppState {
-    let cfg = &settings.config;
+    let models = settings.models;
     AppState::build(
         scan,
         BuildOptions {
@@ -234,31 +231,31 @@ fn build_state(
             metrics: Arc::new(telemetry::Metrics::with_config(&settings.metrics)),
             gpu_count: engines.gpu_count,
             unusable_gpus: engines.unusable_gpus,
-            default_queue_size: cfg.max_queue_size,
+            default_queue_size: models.max_queue_size,
             cache: Arc::new(scheduler::ResponseCache::new(settings.cache_size)),
-            max_image_pixels: cfg.max_image_pixels,
-            dct_override: cfg.dct_scaling_min_side,
-            precision: cfg.precision,
+            max_image_pixels: models.max_image_pixels,
+            dct_override: models.dct_override,
+            precision: models.precision,
         },
-        settings.control.clone(),
-        UploadLimits {
-            max_files: cfg.max_files,
-            max_file_bytes: cfg.max_file_bytes,
-            max_body_bytes: cfg.max_body_bytes,
-            pace: body_pace(settings),
+        StateSettings {
+            control: settings.control.clone(),
+            limits: settings.limits.clone(),
+            decode_threads,
+            decode_memory: settings.decode_memory,
+            server: settings.server.clone(),
         },
-        decode_threads,
-        settings.decode_memory,
-        settings.server.clone(),
     )
 }
 
-fn start_http(settings: &Settings, state: &web::Data<AppState>) -> anyhow::Result<HttpListener> {
-    let cfg = &settings.config;
+fn start_http(
+    settings: &Settings,
+    state: &web::Data<AppState>,
+    port: u16,
+) -> anyhow::Result<HttpListener> {
     let state = state.clone();
     HttpListener::start(
         "HTTP",
-        (cfg.host, cfg.http_port),
+        (settings.listen.host, port),
         settings.http_workers,
         move |c| http::configure(c, state.clone()),
     )
@@ -267,23 +264,10 @@ fn start_http(settings: &Settings, state: &web::Data<AppState>) -> anyhow::Resul
 async fn start_grpc(
     settings: &Settings,
     state: &web::Data<AppState>,
+    port: u16,
 ) -> anyhow::Result<GrpcListener> {
-    let cfg = &settings.config;
-    let limits = grpc::GrpcSettings {
-        max_message_bytes: cfg.grpc_max_message_bytes,
-        max_concurrent_streams: cfg.grpc_max_concurrent_streams,
-        keepalive_time: Duration::from_millis(cfg.grpc_keepalive_time),
-        keepalive_timeout: Duration::from_millis(cfg.grpc_keepalive_timeout),
-        connections: grpc::ConnLimits {
-            max_connections: cfg.grpc_max_connections,
-            handshake: Duration::from_secs(cfg.grpc_handshake_timeout_secs),
-            idle: Duration::from_secs(cfg.grpc_idle_timeout_secs),
-            tcp_keepalive: Duration::from_millis(cfg.grpc_keepalive_time),
-        },
-        pace: body_pace(settings),
-    };
     let service = grpc::InferenceService::new(state.clone().into_inner());
-    GrpcListener::start((cfg.host, cfg.grpc_port), service, limits).await
+    GrpcListener::start((settings.listen.host, port), service, settings.grpc).await
 }
 
 /// The metrics listener (`/metrics`) and the CPU and GPU series' refresh, which `stop`
@@ -291,11 +275,12 @@ async fn start_grpc(
 fn start_metrics(
     settings: &Settings,
     state: &web::Data<AppState>,
+    port: u16,
     stop: CancellationToken,
 ) -> anyhow::Result<HttpListener> {
-    let cfg = &settings.config;
     let metrics = state.metrics.clone();
-    let listener = HttpListener::start("metrics", (cfg.host, cfg.metrics_port), 1, move |c| {
+    let at = (settings.listen.host, port);
+    let listener = HttpListener::start("metrics", at, 1, move |c| {
         let metrics = metrics.clone();
         c.route(
             "/metrics",
@@ -309,7 +294,8 @@ fn start_metrics(
             }),
         );
     })?;
-    let gpus = if cfg.allow_gpu_metrics {
+    let refresh = settings.refresh;
+    let gpus = if refresh.gpu {
         telemetry::Nvml::open()
             .filter(|n| n.count() > 0)
             .map(|n| Box::new(n) as Box<dyn telemetry::GpuProbe>)
@@ -318,9 +304,9 @@ fn start_metrics(
     };
     telemetry::spawn_poller(
         state.metrics.clone(),
-        cfg.allow_cpu_metrics,
+        refresh.cpu,
         gpus,
-        Duration::from_millis(cfg.metrics_interval_ms),
+        refresh.interval,
         stop,
     );
     Ok(listener)
@@ -331,7 +317,7 @@ pub async fn run(
     settings: Settings,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
-    let exit_on_error = settings.config.exit_on_error;
+    let exit_on_error = settings.exit_on_error;
     let gateway = Gateway::start(settings, EngineChoice::Torch).await?;
     tokio::select! {
         failures = gateway.startup_failures() => {

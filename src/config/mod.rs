@@ -12,8 +12,11 @@ use clap::{ArgAction, Parser};
 pub use triton::LogFormat;
 
 use crate::domain::Precision;
+use crate::grpc::{ConnLimits, GrpcSettings};
+use crate::pace::BodyPace;
 use crate::state::{
-    ApiKeys, ControlMode, ControlSettings, Endpoint, ServerOptions, GRPC_HEADER_PREFIX,
+    ApiKeys, ControlMode, ControlSettings, Endpoint, ServerOptions, UploadLimits,
+    GRPC_HEADER_PREFIX,
 };
 use crate::telemetry::{LogLevels, MetricsConfig};
 
@@ -419,10 +422,17 @@ pub fn decode_threads(cores: usize, gpu_instances: bool) -> usize {
     }
 }
 
-/// Validated settings, passed down as one struct.
+/// Validated settings, passed down as one struct; the raw flags stay behind.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    pub config: Config,
+    pub listen: Listen,
+    pub engine: EngineSettings,
+    pub models: ModelDefaults,
+    pub limits: UploadLimits,
+    pub grpc: GrpcSettings,
+    pub refresh: MetricsRefresh,
+    /// `--exit-on-error`: a model that fails at start-up stops the server.
+    pub exit_on_error: bool,
     /// `--decode-threads`, `None` for the default (which depends on where the model
     /// instances run: `decode_threads`).
     pub decode_threads: Option<usize>,
@@ -436,6 +446,41 @@ pub struct Settings {
     pub cache_size: usize,
     pub metrics: MetricsConfig,
     pub server: ServerOptions,
+}
+
+/// Where the listeners bind; `None` for one that is off (Triton's `--allow-*`).
+#[derive(Debug, Clone, Copy)]
+pub struct Listen {
+    pub host: IpAddr,
+    pub http: Option<u16>,
+    pub grpc: Option<u16>,
+    pub metrics: Option<u16>,
+}
+
+/// How the engines run.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineSettings {
+    /// libtorch's intra-op threads per instance.
+    pub intra_op_threads: usize,
+    pub tf32: Tf32,
+}
+
+/// What every model gets unless its config says otherwise.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelDefaults {
+    pub max_queue_size: usize,
+    pub max_image_pixels: u64,
+    pub dct_override: Option<u32>,
+    /// `--precision`: every classifier's, instead of its config's.
+    pub precision: Option<Precision>,
+}
+
+/// The CPU and GPU series' refresh.
+#[derive(Debug, Clone, Copy)]
+pub struct MetricsRefresh {
+    pub cpu: bool,
+    pub gpu: bool,
+    pub interval: Duration,
 }
 
 impl Config {
@@ -541,6 +586,11 @@ impl Config {
             startup_models: self.load_models.clone(),
         };
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // How fast a request body must keep arriving, on both transports.
+        let pace = BodyPace {
+            timeout: Duration::from_secs(self.body_timeout_secs),
+            min_rate: self.body_min_rate,
+        };
         Ok(Settings {
             decode_threads: (self.decode_threads > 0).then_some(self.decode_threads),
             decode_memory: if self.decode_memory_bytes == 0 {
@@ -563,7 +613,47 @@ impl Config {
                 allow_client_shm: self.allow_client_shm,
                 keys,
             },
-            config: self,
+            listen: Listen {
+                host: self.host,
+                http: self.allow_http.then_some(self.http_port),
+                grpc: self.allow_grpc.then_some(self.grpc_port),
+                metrics: self.allow_metrics.then_some(self.metrics_port),
+            },
+            engine: EngineSettings {
+                intra_op_threads: self.intra_op_threads,
+                tf32: self.tf32,
+            },
+            models: ModelDefaults {
+                max_queue_size: self.max_queue_size,
+                max_image_pixels: self.max_image_pixels,
+                dct_override: self.dct_scaling_min_side,
+                precision: self.precision,
+            },
+            limits: UploadLimits {
+                max_files: self.max_files,
+                max_file_bytes: self.max_file_bytes,
+                max_body_bytes: self.max_body_bytes,
+                pace,
+            },
+            grpc: GrpcSettings {
+                max_message_bytes: self.grpc_max_message_bytes,
+                max_concurrent_streams: self.grpc_max_concurrent_streams,
+                keepalive_time: Duration::from_millis(self.grpc_keepalive_time),
+                keepalive_timeout: Duration::from_millis(self.grpc_keepalive_timeout),
+                connections: ConnLimits {
+                    max_connections: self.grpc_max_connections,
+                    handshake: Duration::from_secs(self.grpc_handshake_timeout_secs),
+                    idle: Duration::from_secs(self.grpc_idle_timeout_secs),
+                    tcp_keepalive: Duration::from_millis(self.grpc_keepalive_time),
+                },
+                pace,
+            },
+            refresh: MetricsRefresh {
+                cpu: self.allow_cpu_metrics,
+                gpu: self.allow_gpu_metrics,
+                interval: Duration::from_millis(self.metrics_interval_ms),
+            },
+            exit_on_error: self.exit_on_error,
         })
     }
 

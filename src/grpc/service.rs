@@ -216,7 +216,7 @@ impl GrpcInferenceService for InferenceService {
             .map(|e| pb::repository_index_response::ModelIndex {
                 name: e.name,
                 version: e.version,
-                state: e.state,
+                state: e.state.map(|s| s.as_str().to_string()).unwrap_or_default(),
                 reason: e.reason,
             })
             .collect();

@@ -152,12 +152,30 @@ pub struct IndexEntry {
     pub name: String,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub version: String,
-    /// `READY`, `LOADING` or `UNAVAILABLE` (Triton's model states); empty for a model
-    /// never loaded.
-    #[serde(skip_serializing_if = "String::is_empty")]
-    pub state: String,
+    /// Triton's model state; none for a model never loaded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<IndexState>,
     #[serde(skip_serializing_if = "String::is_empty")]
     pub reason: String,
+}
+
+/// A model's state in the repository index, as Triton names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum IndexState {
+    Ready,
+    Loading,
+    Unavailable,
+}
+
+impl IndexState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IndexState::Ready => "READY",
+            IndexState::Loading => "LOADING",
+            IndexState::Unavailable => "UNAVAILABLE",
+        }
+    }
 }
 
 /// Every model of the repository, served or not (with why), sorted by name: one entry
@@ -167,16 +185,16 @@ pub fn repository_index(state: &AppState, ready_only: bool) -> Vec<IndexEntry> {
     let served = table.all().map(|served| {
         let m = served.repository_model();
         let (state, reason) = if served.is_ready() {
-            ("READY", String::new())
+            (IndexState::Ready, String::new())
         } else if let Some(why) = served.failure() {
-            ("UNAVAILABLE", why)
+            (IndexState::Unavailable, why)
         } else {
-            ("LOADING", String::new())
+            (IndexState::Loading, String::new())
         };
         IndexEntry {
             name: m.name.to_string(),
             version: m.version.to_string(),
-            state: state.to_string(),
+            state: Some(state),
             reason,
         }
     });
@@ -184,7 +202,7 @@ pub fn repository_index(state: &AppState, ready_only: bool) -> Vec<IndexEntry> {
         Some(IndexEntry {
             name: name.to_string(),
             version: String::new(),
-            state: "UNAVAILABLE".to_string(),
+            state: Some(IndexState::Unavailable),
             reason: e.unavailable.clone()?,
         })
     });
@@ -200,13 +218,13 @@ pub fn repository_index(state: &AppState, ready_only: bool) -> Vec<IndexEntry> {
         .map(|name| IndexEntry {
             name,
             version: String::new(),
-            state: String::new(),
+            state: None,
             reason: String::new(),
         });
     let mut out: Vec<IndexEntry> = served
         .chain(unavailable)
         .chain(never_loaded)
-        .filter(|e| !ready_only || e.state == "READY")
+        .filter(|e| !ready_only || e.state == Some(IndexState::Ready))
         .collect();
     let version = |e: &IndexEntry| e.version.parse::<u64>().ok();
     out.sort_by(|a, b| (&a.name, version(a)).cmp(&(&b.name, version(b))));

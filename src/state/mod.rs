@@ -142,6 +142,16 @@ impl Default for ServerOptions {
     }
 }
 
+/// What the shared state is built with, besides the models' build options.
+pub struct StateSettings {
+    pub control: ControlSettings,
+    pub limits: UploadLimits,
+    pub decode_threads: usize,
+    /// Bytes of decoded images all decode threads together may hold.
+    pub decode_memory: u64,
+    pub server: ServerOptions,
+}
+
 /// The state every transport shares.
 pub struct AppState {
     /// The served models and their lifecycle.
@@ -163,21 +173,21 @@ impl AppState {
     pub fn build(
         scan: crate::repository::ScanResult,
         opts: BuildOptions,
-        control: ControlSettings,
-        limits: UploadLimits,
-        decode_threads: usize,
-        decode_memory: u64,
-        server: ServerOptions,
+        settings: StateSettings,
     ) -> AppState {
         let metrics = opts.metrics.clone();
         AppState {
-            pool: PreprocessPool::start(decode_threads, decode_memory, metrics.clone()),
-            registry: Registry::start(scan, opts, control),
+            pool: PreprocessPool::start(
+                settings.decode_threads,
+                settings.decode_memory,
+                metrics.clone(),
+            ),
+            registry: Registry::start(scan, opts, settings.control),
             drain: Default::default(),
-            limits,
+            limits: settings.limits,
             metrics,
-            shared_memory: SharedMemory::new(server.allow_client_shm),
-            server,
+            shared_memory: SharedMemory::new(settings.server.allow_client_shm),
+            server: settings.server,
         }
     }
 

@@ -71,6 +71,9 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+        # A panic is a bug even where the server caught it and answered: none may pass unseen.
+        panics = [line for line in self.log_path.read_text(errors="replace").splitlines() if "panicked at" in line]
+        assert not panics, f"the server panicked ({self.log_path}):\n" + "\n".join(panics[:10])
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ check-jsonschema), hadolint and BuildKit's Dockerfile parser, and the Kubernetes
 schemas of kubernetes-validate (strict: unknown fields fail)."""
 
 import copy
+import os
 import re
 import subprocess
 import sys
@@ -135,6 +136,25 @@ def test_kustomization_applies_every_manifest():
     assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 
 
+def exit_timeout(container):
+    """The exit timeout the container's server runs with: its --exit-timeout-secs argument, its
+    environment variable, or the binary's own default."""
+    args = [*container.get("command", []), *container.get("args", [])]
+    for i, arg in enumerate(args):
+        if arg.startswith("--exit-timeout-secs="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--exit-timeout-secs":
+            return int(args[i + 1])
+    for env in container.get("env", []):
+        if env["name"] == "VISIONGATE_EXIT_TIMEOUT_SECS":
+            return int(env["value"])
+    help_text = subprocess.run([os.environ["VISIONGATE_BIN"], "--help"], capture_output=True, text=True,
+                               check=True).stdout
+    default = re.search(r"--exit-timeout-secs <[^>]*>.*?\[default: (\d+)\]", help_text, re.S)
+    assert default, "the binary's help names the exit timeout's default"
+    return int(default.group(1))
+
+
 def test_deployment_probes_gpu_scrape_and_grace():
     m = manifests()
     pod = m["Deployment"]["spec"]["template"]
@@ -144,8 +164,10 @@ def test_deployment_probes_gpu_scrape_and_grace():
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     annotations = pod["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "8002"
-    # Longer than the server's own drain (30 s) plus the preStop pause.
-    assert pod["spec"]["terminationGracePeriodSeconds"] > 30 + container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    # Longer than the server's own exit timeout (what it gives the requests under way, from the
+    # container's arguments or the binary's default) plus the preStop pause and the listeners' close.
+    stop = exit_timeout(container) + container["lifecycle"]["preStop"]["sleep"]["seconds"] + 2
+    assert pod["spec"]["terminationGracePeriodSeconds"] > stop
     service_ports = {p["name"]: p["port"] for p in m["Service"]["spec"]["ports"]}
     assert service_ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
 

@@ -1,0 +1,421 @@
+//! Validation of a parsed `ModelConfig` into what visiongate runs. Anything a config asks
+//! for that visiongate does not do fails that model's load with the field and a remedy.
+//!
+//! Here: the spec types, the dispatch on platform and backend, and the checks and helpers
+//! every model kind shares. Each kind's own validation is in its file (`classifier`, with
+//! its instance groups, dynamic batching and queue policies in `scheduling`;
+//! `preprocessor`; `ensemble`), and the choice of versions to serve in `versions`.
+
+mod classifier;
+mod ensemble;
+mod preprocessor;
+mod scheduling;
+#[cfg(test)]
+mod test_support;
+mod versions;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::pb::{self, model_config::SchedulingChoice};
+use super::RepositoryError;
+use crate::domain::{
+    ModelName, ModelVersion, Normalize, Precision, ResizeFilter, TimeoutAction, WarmupSample,
+};
+
+use classifier::classifier;
+use ensemble::ensemble;
+use preprocessor::preprocessor;
+
+pub(super) use ensemble::check_ensembles;
+pub(super) use versions::{available_versions, select_versions};
+
+/// Platform of TorchScript models, as Triton names it.
+pub const PLATFORM_LIBTORCH: &str = "pytorch_libtorch";
+pub const PLATFORM_ENSEMBLE: &str = "ensemble";
+/// The built-in image preprocessor's backend name.
+pub const BACKEND_IMAGE: &str = "visiongate_image";
+
+#[derive(Debug, Clone)]
+pub enum ModelKind {
+    Classifier(ClassifierSpec),
+    Preprocessor(PreprocessorSpec),
+    Ensemble(EnsembleSpec),
+}
+
+/// A TorchScript image classifier: FP32 `[N, 3, H, W]` in, FP32 `[N, classes]` logits out.
+#[derive(Debug, Clone)]
+pub struct ClassifierSpec {
+    pub model_file: PathBuf,
+    pub max_batch_size: usize,
+    pub input_name: String,
+    pub height: usize,
+    pub width: usize,
+    pub output_name: String,
+    pub num_classes: usize,
+    pub labels: Option<Arc<Vec<String>>>,
+    pub instance_groups: Vec<InstanceGroupSpec>,
+    /// `None`: no `dynamic_batching`, so requests run one by one (as in Triton).
+    pub batching: Option<BatchingSpec>,
+    /// `response_cache { enable: true }`: rows seen before are answered from the cache.
+    pub response_cache: bool,
+    /// `model_warmup` samples with rows (those with `batch_size: 0` are skipped, as in
+    /// Triton), run by each instance before the model is ready.
+    pub warmup: Vec<WarmupSample>,
+    /// `parameters { key: "precision" ... }`: what convolutions and matmuls run in.
+    pub precision: Precision,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupKind {
+    Auto,
+    Gpu,
+    Cpu,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceGroupSpec {
+    pub kind: GroupKind,
+    /// Instances per listed GPU (GPU groups) or in all (CPU groups).
+    pub count: u32,
+    /// Empty: every visible GPU.
+    pub gpus: Vec<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchingSpec {
+    pub preferred_batch_sizes: Vec<usize>,
+    pub max_queue_delay: Duration,
+    /// One queue policy per priority level, highest priority first (one level when the
+    /// config sets no `priority_levels`).
+    pub queues: Vec<QueuePolicySpec>,
+    /// Index into `queues` of the level a request without a priority gets.
+    pub default_level: usize,
+}
+
+/// Triton's `ModelQueuePolicy` for one priority level.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueuePolicySpec {
+    pub timeout_action: TimeoutAction,
+    /// `None`: requests wait without a limit unless they set their own (when allowed).
+    pub default_timeout: Option<Duration>,
+    /// A request may ask for a shorter timeout than the default (never a longer one).
+    pub allow_timeout_override: bool,
+    /// `None`: no limit in the config; the `--max-queue-size` default applies.
+    pub max_queue_size: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResizeMode {
+    /// Both sides to the target size, aspect ratio not kept (torchvision `Resize((h, w))`).
+    Stretch,
+}
+
+/// The built-in preprocessor's settings, from its `parameters`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreprocessorSpec {
+    pub input_name: String,
+    pub output_name: String,
+    pub width: u32,
+    pub height: u32,
+    pub resize: ResizeMode,
+    pub filter: ResizeFilter,
+    pub normalize: Normalize,
+    /// JPEG DCT-domain scaling keeps the scaled short side at or above this; 0 = off.
+    pub dct_scaling_min_side: u32,
+}
+
+/// The one ensemble shape visiongate runs: raw image → preprocessor → classifier.
+#[derive(Debug, Clone)]
+pub struct EnsembleSpec {
+    pub input_name: String,
+    pub output_name: String,
+    pub preprocessor: ModelName,
+    pub classifier: ModelName,
+}
+
+fn unsupported(model: &str, field: &str, remedy: impl Into<String>) -> RepositoryError {
+    RepositoryError::Unsupported {
+        model: model.to_string(),
+        field: field.to_string(),
+        remedy: remedy.into(),
+    }
+}
+
+fn invalid(model: &str, field: &str, message: impl Into<String>) -> RepositoryError {
+    RepositoryError::Invalid {
+        model: model.to_string(),
+        field: field.to_string(),
+        message: message.into(),
+    }
+}
+
+/// The one item of `items` (a config's `input` or `output`, an ensemble step's `input_map`
+/// or `output_map`: every model kind takes exactly one of each), or `error()` when there
+/// are none or several.
+fn exactly_one<I: IntoIterator>(
+    items: I,
+    error: impl FnOnce() -> RepositoryError,
+) -> Result<I::Item, RepositoryError> {
+    let mut items = items.into_iter();
+    match (items.next(), items.next()) {
+        (Some(item), None) => Ok(item),
+        _ => Err(error()),
+    }
+}
+
+pub(crate) fn model_kind(
+    dir: &Path,
+    model: &str,
+    config: &pb::ModelConfig,
+    version: ModelVersion,
+) -> Result<ModelKind, RepositoryError> {
+    reject_unsupported_common(model, config)?;
+    let platform = config.platform.as_str();
+    let backend = config.backend.as_str();
+    match (platform, backend) {
+        (PLATFORM_LIBTORCH, "" | "pytorch") | ("", "pytorch") => {
+            classifier(dir, model, config, version).map(ModelKind::Classifier)
+        }
+        (PLATFORM_ENSEMBLE, "") => {
+            refuse_response_cache(model, config)?;
+            if !config.model_warmup.is_empty() {
+                // Triton's rule: an ensemble's steps warm up, not the ensemble.
+                return Err(invalid(
+                    model,
+                    "model_warmup",
+                    "cannot be specified for an ensemble; put it in the classifier's config",
+                ));
+            }
+            ensemble(model, config).map(ModelKind::Ensemble)
+        }
+        ("", BACKEND_IMAGE) => {
+            refuse_response_cache(model, config)?;
+            if !config.model_warmup.is_empty() {
+                return Err(unsupported(
+                    model,
+                    "model_warmup",
+                    "remove it: the built-in preprocessor has nothing to warm up (the \
+                     classifier's model_warmup runs before it serves)",
+                ));
+            }
+            preprocessor(model, config).map(ModelKind::Preprocessor)
+        }
+        ("", "python") => Err(unsupported(
+            model,
+            "backend",
+            "the Python backend does not run in visiongate; for image preprocessing use \
+             backend \"visiongate_image\" with width/height/mean/std parameters",
+        )),
+        _ => Err(unsupported(
+            model,
+            if platform.is_empty() {
+                "backend"
+            } else {
+                "platform"
+            },
+            format!(
+                "'{}' cannot be served; export the model to TorchScript and use platform \
+                 \"pytorch_libtorch\", or backend \"visiongate_image\" / platform \"ensemble\"",
+                if platform.is_empty() {
+                    backend
+                } else {
+                    platform
+                }
+            ),
+        )),
+    }
+}
+
+/// The cache keys on the preprocessed rows a classifier runs, so only classifiers have one.
+fn refuse_response_cache(model: &str, c: &pb::ModelConfig) -> Result<(), RepositoryError> {
+    if c.response_cache.as_ref().is_some_and(|r| r.enable) {
+        return Err(unsupported(
+            model,
+            "response_cache",
+            "enable it on the classifier step instead: it caches per preprocessed image, so \
+             an ensemble's repeated photos hit it there",
+        ));
+    }
+    Ok(())
+}
+
+/// Fields of `ModelConfig` that no model kind here honours: refuse rather than ignore.
+fn reject_unsupported_common(model: &str, c: &pb::ModelConfig) -> Result<(), RepositoryError> {
+    let remove = "remove it from config.pbtxt; visiongate does not implement it";
+    if matches!(
+        c.scheduling_choice,
+        Some(SchedulingChoice::SequenceBatching(_))
+    ) {
+        return Err(unsupported(model, "sequence_batching", remove));
+    }
+    if !c.batch_input.is_empty() {
+        return Err(unsupported(model, "batch_input", remove));
+    }
+    if !c.batch_output.is_empty() {
+        return Err(unsupported(model, "batch_output", remove));
+    }
+    if c.model_transaction_policy
+        .as_ref()
+        .is_some_and(|p| p.decoupled)
+    {
+        return Err(unsupported(
+            model,
+            "model_transaction_policy.decoupled",
+            remove,
+        ));
+    }
+    if c.model_repository_agents
+        .as_ref()
+        .is_some_and(|a| !a.agents.is_empty())
+    {
+        return Err(unsupported(model, "model_repository_agents", remove));
+    }
+    if c.optimization.is_some() {
+        return Err(unsupported(model, "optimization", remove));
+    }
+    for (i, input) in c.input.iter().enumerate() {
+        if input.reshape.is_some() {
+            return Err(unsupported(model, &format!("input[{i}].reshape"), remove));
+        }
+        if input.is_shape_tensor || input.allow_ragged_batch || input.optional {
+            return Err(unsupported(
+                model,
+                &format!("input[{i}] (shape tensor / ragged / optional)"),
+                remove,
+            ));
+        }
+    }
+    for (i, output) in c.output.iter().enumerate() {
+        if output.reshape.is_some() {
+            return Err(unsupported(model, &format!("output[{i}].reshape"), remove));
+        }
+    }
+    Ok(())
+}
+
+/// The file `name` that a config's `field` names, inside `dir` (the model's directory or
+/// a version's), or why it is refused: only a relative path that stays inside is taken.
+fn file_in(dir: &Path, model: &str, field: &str, name: &str) -> Result<PathBuf, RepositoryError> {
+    let path = Path::new(name);
+    let inside = !name.is_empty()
+        && path
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+    if !inside {
+        return Err(invalid(
+            model,
+            field,
+            format!(
+                "'{name}' is not a file inside the model's directory: give a relative path \
+                 without '..'"
+            ),
+        ));
+    }
+    Ok(dir.join(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::scan;
+    use super::test_support::{failure_of, temp_repo, write, CLASSIFIER};
+    use super::*;
+
+    #[test]
+    fn the_bundled_repository_loads_all_three_models() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("models");
+        let r = scan(std::slice::from_ref(&root)).unwrap();
+        let names: Vec<_> = r.models.iter().map(|m| m.name.to_string()).collect();
+        let failures: Vec<_> = r.failures.iter().map(|f| f.error.to_string()).collect();
+        assert_eq!(
+            names,
+            ["classifier", "ensemble_model", "preprocessor"],
+            "{failures:?}"
+        );
+        let cls = r
+            .models
+            .iter()
+            .find(|m| m.name.as_str() == "classifier")
+            .unwrap();
+        let ModelKind::Classifier(c) = &cls.kind else {
+            panic!("classifier kind")
+        };
+        assert_eq!((c.height, c.width, c.num_classes), (224, 224, 1000));
+        assert_eq!(c.labels.as_ref().unwrap()[281], "tabby, tabby cat");
+        assert_eq!(
+            c.instance_groups,
+            vec![InstanceGroupSpec {
+                kind: GroupKind::Gpu,
+                count: 2,
+                gpus: vec![0, 1]
+            }]
+        );
+        let pre = r
+            .models
+            .iter()
+            .find(|m| m.name.as_str() == "preprocessor")
+            .unwrap();
+        let ModelKind::Preprocessor(p) = &pre.kind else {
+            panic!("preprocessor kind")
+        };
+        assert_eq!(p.normalize.mean, [0.498; 3]);
+        assert_eq!(p.normalize.std, [0.502; 3]);
+    }
+
+    #[test]
+    fn python_backend_fails_with_field_and_remedy_and_others_still_load() {
+        let root = temp_repo("python");
+        write(
+            &root,
+            "pymodel/config.pbtxt",
+            "backend: \"python\"\nmax_batch_size: 1\n",
+        );
+        write(&root, "pymodel/1/model.py", "");
+        write(&root, "cls/config.pbtxt", CLASSIFIER);
+        write(&root, "cls/labels.txt", "a\nb\n");
+        write(
+            &root,
+            "cls/1/model.pt",
+            "not really torchscript; loading is the engine's job",
+        );
+        let r = scan(std::slice::from_ref(&root)).unwrap();
+        assert_eq!(r.models.len(), 1, "{:?}", r.failures);
+        assert_eq!(r.models[0].name.as_str(), "cls");
+        let msg = r.failures[0].error.to_string();
+        assert!(
+            msg.contains("model 'pymodel'") && msg.contains("'backend'"),
+            "{msg}"
+        );
+        assert!(msg.contains("visiongate_image"), "remedy missing: {msg}");
+    }
+
+    #[test]
+    fn unsupported_fields_and_bad_labels_fail_that_model_only() {
+        let root = temp_repo("fields");
+        let seq = CLASSIFIER.replace("dynamic_batching", "sequence_batching { }\n#");
+        write(&root, "seq/config.pbtxt", &seq);
+        write(&root, "seq/labels.txt", "a\nb\n");
+        write(&root, "seq/1/model.pt", "x");
+        write(&root, "labels/config.pbtxt", CLASSIFIER);
+        write(&root, "labels/labels.txt", "only one\n");
+        write(&root, "labels/1/model.pt", "x");
+        write(&root, "nofile/config.pbtxt", CLASSIFIER);
+        write(&root, "nofile/labels.txt", "a\nb\n");
+        std::fs::create_dir_all(root.join("nofile/1")).unwrap();
+        let r = scan(std::slice::from_ref(&root)).unwrap();
+        assert!(r.models.is_empty());
+        let msg = |m: &str| failure_of(&r, m);
+        assert!(msg("seq").contains("sequence_batching"), "{}", msg("seq"));
+        assert!(
+            msg("labels").contains("1 lines but the output has 2 classes"),
+            "{}",
+            msg("labels")
+        );
+        assert!(
+            msg("nofile").contains("model.pt is missing"),
+            "{}",
+            msg("nofile")
+        );
+    }
+}
