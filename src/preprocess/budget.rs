@@ -111,10 +111,12 @@ mod tests {
     #[test]
     fn a_decode_waits_for_room_and_takes_its_turn() {
         let budget = Arc::new(DecodeBudget::new(100, None));
-        let first = budget.reserve(70, 1, 1).unwrap();
+        let first = budget.reserve(30, 1, 1).unwrap();
         let (done, order) = mpsc::channel();
-        // 50 does not fit beside 70; 20 would, but comes after 50 and waits its turn.
-        for (i, bytes) in [(1, 50u64), (2, 20)] {
+        // 75 does not fit beside 30; 70 would, but comes after 75 and waits its turn. Once
+        // 30 is freed, 75 goes and 70 must wait for it again (the two do not fit together),
+        // so the order they are answered in is the order they were served in.
+        for (i, bytes) in [(1, 75u64), (2, 70)] {
             let (shared, done) = (budget.clone(), done.clone());
             std::thread::spawn(move || {
                 let held = shared.reserve(bytes, 1, 1).unwrap();
@@ -129,7 +131,7 @@ mod tests {
         }
         assert!(
             order.recv_timeout(Duration::from_millis(100)).is_err(),
-            "nothing goes ahead while 70 of 100 are held by the first"
+            "nothing goes ahead while 30 of 100 are held by the first"
         );
         drop(first);
         assert_eq!(order.recv_timeout(Duration::from_secs(5)), Ok(1));
