@@ -22,7 +22,7 @@ test: setup
 	@bash scripts/deny.sh
 	@$(ENV) && cargo test --release
 	@bash scripts/fuzz.sh smoke
-	@$(ENV) && "$$VISIONGATE_PYTHON" -m pytest -q tests/python
+	@$(ENV) && "$$VISIONGATE_PYTHON" -m pytest -q -rs tests/python
 	@bash scripts/container-test.sh
 
 ## Every fuzz target for 10 million runs (an hour at most each); TARGET=name for one.
@@ -71,4 +71,4 @@ clippy: setup
 
 ## Rewrites openapi/openapi.json from the code (a test fails while they differ).
 openapi: setup
-	@$(ENV) && VISIONGATE_WRITE_OPENAPI=1 cargo test --release --quiet --test openapi_document_matches_the_code
+	@$(ENV) && VISIONGATE_WRITE_OPENAPI=1 cargo test --release --quiet --test it openapi_document_matches_the_code

@@ -4,8 +4,11 @@ use std::path::PathBuf;
 
 fn main() {
     compile_protos();
-    link_libtorch();
-    compile_cuda_shim();
+    // Without the `torch` feature (the fuzz targets) nothing of libtorch is built or linked.
+    if env::var_os("CARGO_FEATURE_TORCH").is_some() {
+        link_libtorch();
+        compile_cuda_shim();
+    }
 }
 
 /// `proto/model_config.proto` becomes prost types plus a descriptor set, which the

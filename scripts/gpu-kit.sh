@@ -39,10 +39,11 @@ site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 crate=$KIT_HOME/crate
 mkdir -p "$crate"
 for item in src proto static build.rs; do ln -sfn "$VG_ROOT/$item" "$crate/$item"; done
-sed -E -e "s/^tch = \"[^\"]+\"/tch = \"$KIT_TCH\"/" -e "s/^torch-sys = \"[^\"]+\"/torch-sys = \"$KIT_TCH\"/" \
-  Cargo.toml > "$crate/Cargo.toml.new"
-grep -q "^tch = \"$KIT_TCH\"" "$crate/Cargo.toml.new" && grep -q "^torch-sys = \"$KIT_TCH\"" "$crate/Cargo.toml.new" \
-  || { echo "gpu-kit: Cargo.toml has no plain tch/torch-sys version lines to re-pin" >&2; exit 1; }
+sed -E -e "s/^(tch = \{ version = )\"[^\"]+\"/\1\"$KIT_TCH\"/" \
+  -e "s/^(torch-sys = \{ version = )\"[^\"]+\"/\1\"$KIT_TCH\"/" Cargo.toml > "$crate/Cargo.toml.new"
+grep -q "^tch = { version = \"$KIT_TCH\"" "$crate/Cargo.toml.new" \
+  && grep -q "^torch-sys = { version = \"$KIT_TCH\"" "$crate/Cargo.toml.new" \
+  || { echo "gpu-kit: Cargo.toml has no tch/torch-sys version lines to re-pin" >&2; exit 1; }
 if ! cmp -s "$crate/Cargo.toml.new" "$crate/Cargo.toml" || ! cmp -s Cargo.lock "$crate/Cargo.lock.base"; then
   mv "$crate/Cargo.toml.new" "$crate/Cargo.toml"
   cp Cargo.lock "$crate/Cargo.lock"

@@ -5,8 +5,8 @@
 #   scripts/setup.sh [--no-test-tools] [STEP...]
 #
 # Steps, in order (all of them when none is named):
-#   packages  apt: cmake and nasm (libjpeg-turbo), and for the tests chromium and node,
-#             only when missing; playwright-core from npm for the browser test
+#   packages  apt: cmake and nasm (libjpeg-turbo), and for the tests chromium, node and
+#             curl, only when missing; playwright-core from npm for the browser test
 #   venv      a venv outside the clone with torch==2.13.0 and the model packages
 #             (scripts/requirements.txt), plus the test packages (requirements-test.txt)
 #   model     models/classifier/1/model.pt, exported when missing or stale
@@ -38,6 +38,7 @@ if wants packages; then
     [[ -x /usr/bin/chromium ]] || need+=(chromium)
     command -v node >/dev/null || need+=(nodejs)
     command -v npm >/dev/null || need+=(npm)
+    command -v curl >/dev/null || need+=(curl)
   fi
   if ((${#need[@]})); then
     say "installing ${need[*]} (apt)"

@@ -4,9 +4,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::{EngineSettings, Tf32};
-use crate::engine::{self, cuda_host, Engine, FakeFaults, TorchEngine};
+use crate::config::EngineSettings;
+#[cfg(feature = "torch")]
+use crate::config::Tf32;
+#[cfg(feature = "torch")]
+use crate::engine::{self, cuda_host, TorchEngine};
+use crate::engine::{Engine, FakeFaults};
 use crate::scheduler::EngineFactory;
+#[cfg(feature = "torch")]
 use crate::telemetry;
 
 /// Which engine runs the classifiers.
@@ -37,7 +42,13 @@ impl Engines {
     /// The engines of `choice` (libtorch's intra-op threads and TF32 as `settings` say).
     pub fn new(choice: EngineChoice, settings: EngineSettings) -> anyhow::Result<Engines> {
         match choice {
+            #[cfg(feature = "torch")]
             EngineChoice::Torch => torch(settings.intra_op_threads, settings.tf32),
+            #[cfg(not(feature = "torch"))]
+            EngineChoice::Torch => {
+                let _ = settings;
+                anyhow::bail!("this build has no libtorch (the `torch` feature)")
+            }
             EngineChoice::Fake {
                 num_classes,
                 latency,
@@ -53,6 +64,7 @@ impl Engines {
     }
 }
 
+#[cfg(feature = "torch")]
 fn torch(intra_op_threads: usize, tf32: Tf32) -> anyhow::Result<Engines> {
     let torch_gpus = engine::cuda_device_count();
     match cuda_host::cuda_support() {
@@ -106,6 +118,7 @@ fn torch(intra_op_threads: usize, tf32: Tf32) -> anyhow::Result<Engines> {
 }
 
 /// The NVIDIA GPUs the driver sees (NVML), logged beside libtorch's view.
+#[cfg(feature = "torch")]
 fn host_gpus(torch_gpus: usize) -> usize {
     telemetry::Nvml::open().map_or(0, |nvml| {
         let (driver, cuda) = nvml.versions();

@@ -7,18 +7,15 @@ mod common;
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use common::{solid_png, temp_repository, with_batching, with_preferred, TestGateway};
 use visiongate::config::Config;
+use visiongate::engine::FakeFaults;
 use visiongate::grpc::pb;
 use visiongate::grpc::pb::grpc_inference_service_client::GrpcInferenceServiceClient;
-use visiongate::EngineChoice;
 
 /// The fake engine fails every batch holding a row whose first byte is this.
 const FAILING: u8 = 66;
-/// Each batch takes this long, so requests can be made to wait.
-const LATENCY: Duration = Duration::from_millis(700);
 
 /// Everything logged at WARN or above, kept for the test to read.
 #[derive(Clone, Default)]
@@ -67,6 +64,7 @@ impl Counts {
 
 struct Harness {
     gw: TestGateway,
+    faults: Arc<FakeFaults>,
     grpc: GrpcInferenceServiceClient<tonic::transport::Channel>,
 }
 
@@ -202,21 +200,24 @@ impl Harness {
         after
     }
 
-    /// Keeps both instances busy for one batch each (one after the other: the one queue
-    /// place is free again once a request's row is running).
+    /// Holds both instances in a batch each until [`Harness::release`] (one after the
+    /// other: the one queue place is free again once a request's row is running).
     async fn occupy(&self, transport: Transport) -> Vec<tokio::task::JoinHandle<Seen>> {
+        self.faults.gate.close();
         let mut busy = Vec::new();
         for red in [1, 2] {
             busy.push(self.send(transport, red, None));
-            tokio::time::sleep(Duration::from_millis(150)).await;
+            self.faults.gate.held(busy.len()).await;
         }
         busy
     }
-}
 
-async fn all_ok(tasks: Vec<tokio::task::JoinHandle<Seen>>) {
-    for task in tasks {
-        assert!(matches!(task.await.unwrap(), Seen::Ok(_)));
+    /// Lets the held batches, and every later one, run; their requests end `Ok`.
+    async fn release(&self, tasks: Vec<tokio::task::JoinHandle<Seen>>) {
+        self.faults.gate.open();
+        for task in tasks {
+            assert!(matches!(task.await.unwrap(), Seen::Ok(_)));
+        }
     }
 }
 
@@ -239,23 +240,16 @@ async fn every_outcome_is_answered_and_counted_once_over_http_and_grpc() {
         )
     })];
     config.max_queue_size = 1;
-    let gw = TestGateway::start_with(
-        config,
-        EngineChoice::Fake {
-            num_classes: 1000,
-            latency: LATENCY,
-            faults: std::sync::Arc::new(visiongate::engine::FakeFaults {
-                fail_on_first_byte: Some(FAILING),
-                ..Default::default()
-            }),
-        },
-    )
-    .await;
+    let faults = FakeFaults {
+        fail_on_first_byte: Some(FAILING),
+        ..Default::default()
+    };
+    let (gw, faults) = TestGateway::start_faulty(config, faults).await;
     let grpc_addr = gw.gateway.as_ref().unwrap().grpc_addr.expect("listening");
     let grpc = GrpcInferenceServiceClient::connect(format!("http://{grpc_addr}"))
         .await
         .expect("gRPC connects");
-    let h = Harness { gw, grpc };
+    let h = Harness { gw, faults, grpc };
 
     for transport in [Transport::Http, Transport::Grpc] {
         let (overloaded, expired, failed) = match transport {
@@ -284,10 +278,10 @@ async fn every_outcome_is_answered_and_counted_once_over_http_and_grpc() {
         // Queue full: both instances busy, the one queue place taken; refused at once.
         let mut admitted = h.occupy(transport).await;
         admitted.push(h.send(transport, 3, None));
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        h.gw.wait_for_queued(1).await;
         let seen = h.send(transport, 4, None).await.unwrap();
         assert_eq!(seen, Seen::Error(overloaded.into()), "{}", at("queue full"));
-        all_ok(admitted).await;
+        h.release(admitted).await;
         let counts = h
             .counted(counts, 3.0, Some("REJECTED"), &at("queue full"))
             .await;
@@ -296,7 +290,7 @@ async fn every_outcome_is_answered_and_counted_once_over_http_and_grpc() {
         let busy = h.occupy(transport).await;
         let seen = h.send(transport, 5, Some(100_000)).await.unwrap();
         assert_eq!(seen, Seen::Error(expired.into()), "{}", at("expired"));
-        all_ok(busy).await;
+        h.release(busy).await;
         let counts = h
             .counted(counts, 2.0, Some("REJECTED"), &at("expired"))
             .await;
@@ -304,11 +298,16 @@ async fn every_outcome_is_answered_and_counted_once_over_http_and_grpc() {
         // Client gone while queued: nobody is answered; counted CANCELED.
         let busy = h.occupy(transport).await;
         let leaving = h.send(transport, 6, None);
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        h.gw.wait_for_queued(1).await;
         leaving.abort();
-        all_ok(busy).await;
         // The server notices the closed connection within its poll interval.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        h.gw.wait_for_metric(
+            "nv_inference_request_failure",
+            &["model=\"classifier\"", "reason=\"CANCELED\""],
+            counts.canceled + 1.0,
+        )
+        .await;
+        h.release(busy).await;
         let counts = h
             .counted(counts, 2.0, Some("CANCELED"), &at("client gone"))
             .await;

@@ -1,8 +1,10 @@
 //! A deterministic engine for tests: the class of a row is a function of its pixels, so a
 //! test can tell whether each caller got its own row back.
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
+
+use tokio::sync::watch;
 
 use super::{BatchInput, Engine, EngineError, EngineOutput, OutputRequest};
 use crate::domain::{top_k, ClassScore};
@@ -15,14 +17,108 @@ pub struct FakeEngine {
 }
 
 /// Faults a test orders: an engine error, a panic, or an answer one row short for every
-/// batch with a row whose first byte is the given value, and new engines refused while
-/// `refuse_loads` is set.
+/// batch with a row whose first byte is the given value, new engines refused while
+/// `refuse_loads` is set, and batches held in the engine while the gate is closed.
 #[derive(Debug, Default)]
 pub struct FakeFaults {
     pub fail_on_first_byte: Option<u8>,
     pub panic_on_first_byte: Option<u8>,
     pub lose_row_on_first_byte: Option<u8>,
     pub refuse_loads: AtomicBool,
+    pub gate: Gate,
+}
+
+/// Holds batches in the engine until the test lets them finish, so that a test about
+/// order reads the server's decisions instead of racing timers. Open (holding nothing)
+/// until [`Gate::close`].
+#[derive(Debug)]
+pub struct Gate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+    /// The rows of each batch held since the gate last closed, by each row's first byte,
+    /// in the order they reached the engine.
+    held: watch::Sender<Vec<Vec<u8>>>,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    closed: bool,
+    /// How many of the batches held since the gate closed may finish.
+    let_through: usize,
+    /// Counts the closings: a batch held before the gate last opened is not held again.
+    closing: u64,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Gate {
+            state: Default::default(),
+            changed: Condvar::new(),
+            held: watch::Sender::new(Vec::new()),
+        }
+    }
+}
+
+impl Gate {
+    /// From now on every batch waits in the engine until it is let through.
+    pub fn close(&self) {
+        let mut s = self.lock();
+        s.closed = true;
+        s.let_through = 0;
+        s.closing += 1;
+        self.held.send_replace(Vec::new());
+    }
+
+    /// Lets the `n` earliest held batches (or the next to come) finish.
+    pub fn let_through(&self, n: usize) {
+        self.lock().let_through += n;
+        self.changed.notify_all();
+    }
+
+    /// Lets every batch through, now and from now on.
+    pub fn open(&self) {
+        self.lock().closed = false;
+        self.changed.notify_all();
+    }
+
+    /// Waits (10 s at most) until `n` batches have been held since the gate closed; the
+    /// rows of each, by first byte, in the order they came.
+    pub async fn held(&self, n: usize) -> Vec<Vec<u8>> {
+        let mut rx = self.held.subscribe();
+        let enough = async {
+            let held = rx.wait_for(|h| h.len() >= n).await;
+            held.expect("the gate lives as long as its engine").clone()
+        };
+        match tokio::time::timeout(Duration::from_secs(10), enough).await {
+            Ok(held) => held,
+            Err(_) => panic!(
+                "{n} batches were not held within 10 s: {:?}",
+                self.held.borrow()
+            ),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Called by the engine with its batch's rows: returns at once while the gate is
+    /// open, else once this batch is let through or the gate opens.
+    fn pass(&self, firsts: &[u8]) {
+        let mut s = self.lock();
+        if !s.closed {
+            return;
+        }
+        let closing = s.closing;
+        let mut ticket = 0;
+        self.held.send_modify(|held| {
+            ticket = held.len();
+            held.push(firsts.to_vec());
+        });
+        while s.closed && s.closing == closing && s.let_through <= ticket {
+            s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+    }
 }
 
 impl FakeFaults {
@@ -72,6 +168,7 @@ impl Engine for FakeEngine {
                 .map(|r| r[0].clamp(0.0, 255.0) as u8)
                 .collect(),
         };
+        self.faults.gate.pass(&firsts);
         if let Some(bad) = self.faults.panic_on_first_byte {
             assert!(!firsts.contains(&bad), "injected panic");
         }
@@ -127,7 +224,7 @@ impl Engine for FakeEngine {
         Ok(out)
     }
 
-    fn device_name(&self) -> String {
-        "fake".to_string()
+    fn device(&self) -> super::Device {
+        super::Device::Fake
     }
 }

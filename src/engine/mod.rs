@@ -1,13 +1,31 @@
 //! Model execution behind a small synchronous trait, so the scheduler can be tested with
 //! a fake. An engine is owned by one instance thread and never sees tasks or channels.
 
+#[cfg(feature = "torch")]
 pub mod cuda;
+#[cfg(feature = "torch")]
 pub mod cuda_host;
 mod fake;
+#[cfg(feature = "torch")]
 mod torch;
 
-pub use fake::{FakeEngine, FakeFaults};
+pub use fake::{FakeEngine, FakeFaults, Gate};
+#[cfg(feature = "torch")]
 pub use torch::{cpu_runs_bf16, cuda_device_count, normalize_on_cpu, TorchEngine};
+
+/// A build without libtorch (the fuzz targets') normalizes nothing: the one normalization
+/// is libtorch's, so that every path computes the same values.
+#[cfg(not(feature = "torch"))]
+pub fn normalize_on_cpu(
+    _data: &[u8],
+    _height: usize,
+    _width: usize,
+    _normalize: Normalize,
+) -> Result<Vec<f32>, EngineError> {
+    Err(EngineError::Execution(
+        "this build has no libtorch (the `torch` feature)".into(),
+    ))
+}
 
 use std::time::Duration;
 
@@ -130,6 +148,27 @@ pub trait Engine: Send {
         input: BatchInput<'_>,
         want: OutputRequest,
     ) -> Result<EngineOutput, EngineError>;
-    /// Where it runs, for logs ("cpu", "cuda:0").
-    fn device_name(&self) -> String;
+    /// Where it runs.
+    fn device(&self) -> Device;
+}
+
+/// Where an engine runs. Its batch-size timing follows it: on a CPU the cost per image
+/// grows with the batch, on a GPU it falls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Device {
+    Cpu,
+    Cuda(usize),
+    /// The test engine: a fixed time per batch, so larger batches are cheaper per image,
+    /// as on a GPU.
+    Fake,
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+            Device::Fake => f.write_str("fake"),
+        }
+    }
 }

@@ -417,10 +417,10 @@ impl Engine for TorchEngine {
         result.map_err(exec)
     }
 
-    fn device_name(&self) -> String {
+    fn device(&self) -> super::Device {
         match self.device {
-            Device::Cuda(i) => format!("cuda:{i}"),
-            _ => "cpu".to_string(),
+            Device::Cuda(i) => super::Device::Cuda(i),
+            _ => super::Device::Cpu,
         }
     }
 }

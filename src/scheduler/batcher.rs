@@ -10,13 +10,13 @@ use tokio_util::sync::CancellationToken;
 use super::handle::QueuePlace;
 use super::instance::Slot;
 use super::policy::{decide, BatchPolicy, Decision};
-use super::{Admitted, Batch, JobState, ModelState, SchedulerError};
+use super::{Batch, Job, ModelState, QueuedJob, SchedulerError};
 use crate::domain::TimeoutAction;
-use crate::telemetry::{micros, Latency, Metrics};
+use crate::telemetry::{micros, Latency, ModelSeries};
 
 /// A job waiting in the batcher, with how many of its rows were already cut.
-struct Pending {
-    job: Arc<JobState>,
+struct WaitingJob {
+    job: Arc<Job>,
     next_row: usize,
     /// When the job times out if none of its request's rows was cut by then.
     deadline: Option<Instant>,
@@ -24,24 +24,24 @@ struct Pending {
     _place: Arc<QueuePlace>,
 }
 
-impl Pending {
+impl WaitingJob {
     fn rows_left(&self) -> usize {
         self.job.rows() - self.next_row
     }
 }
 
 /// The jobs of one request waiting at one level, in the order they were submitted.
-struct Waiting {
-    jobs: VecDeque<Pending>,
+struct WaitingRequest {
+    jobs: VecDeque<WaitingJob>,
 }
 
-impl Waiting {
-    fn front(&self) -> &Pending {
+impl WaitingRequest {
+    fn front(&self) -> &WaitingJob {
         self.jobs.front().expect("a waiting request has a job")
     }
 
     fn rows(&self) -> usize {
-        self.jobs.iter().map(Pending::rows_left).sum()
+        self.jobs.iter().map(WaitingJob::rows_left).sum()
     }
 }
 
@@ -51,7 +51,7 @@ impl Waiting {
 /// share each, so a request that arrives behind a large upload's queued rows rides in the
 /// next batch rather than after all of them.
 struct Queue {
-    levels: Vec<VecDeque<Waiting>>,
+    levels: Vec<VecDeque<WaitingRequest>>,
     rows: usize,
 }
 
@@ -69,12 +69,12 @@ impl Queue {
         self.levels.len() - 1
     }
 
-    fn push(&mut self, admitted: Admitted) {
+    fn push(&mut self, admitted: QueuedJob) {
         let level = admitted.level.min(self.delayed_level() - 1);
         let deadline = admitted.timeout.map(|t| admitted.job.enqueued_at + t);
         self.enqueue(
             level,
-            Pending {
+            WaitingJob {
                 job: admitted.job,
                 next_row: 0,
                 deadline,
@@ -84,14 +84,14 @@ impl Queue {
     }
 
     /// Behind its request's other jobs at `level`, or as a request taking the last turn.
-    fn enqueue(&mut self, level: usize, p: Pending) {
+    fn enqueue(&mut self, level: usize, p: WaitingJob) {
         self.rows += p.rows_left();
         let requests = &mut self.levels[level];
         let at = requests
             .iter()
             .position(|w| Arc::ptr_eq(&w.front().job.request, &p.job.request))
             .unwrap_or_else(|| {
-                requests.push_back(Waiting {
+                requests.push_back(WaitingRequest {
                     jobs: VecDeque::new(),
                 });
                 requests.len() - 1
@@ -99,7 +99,7 @@ impl Queue {
         requests[at].jobs.push_back(p);
     }
 
-    fn jobs(&self) -> impl Iterator<Item = &Pending> {
+    fn jobs(&self) -> impl Iterator<Item = &WaitingJob> {
         self.levels.iter().flatten().flat_map(|w| &w.jobs)
     }
 
@@ -113,7 +113,10 @@ impl Queue {
     }
 
     /// Takes out of the queue the jobs `leave(level, job)` picks, each with its level.
-    fn remove(&mut self, mut leave: impl FnMut(usize, &Pending) -> bool) -> Vec<(usize, Pending)> {
+    fn remove(
+        &mut self,
+        mut leave: impl FnMut(usize, &WaitingJob) -> bool,
+    ) -> Vec<(usize, WaitingJob)> {
         let mut gone = Vec::new();
         for (level, requests) in self.levels.iter_mut().enumerate() {
             for waiting in requests.iter_mut() {
@@ -190,7 +193,7 @@ impl Queue {
         self.levels
             .iter()
             .find_map(|l| l.front())
-            .map_or(0, Waiting::rows)
+            .map_or(0, WaitingRequest::rows)
     }
 
     /// When the longest-waiting row arrived.
@@ -210,8 +213,8 @@ impl Queue {
     /// the device. Marks each request whose first rows leave the queue started (it can no
     /// longer time out) and calls `started(job)` with the job they came from (its wait is
     /// the request's queue time).
-    fn cut(&mut self, n: usize, one_request: bool, mut started: impl FnMut(&JobState)) -> Batch {
-        let mut parts: Vec<(Arc<JobState>, std::ops::Range<usize>)> = Vec::new();
+    fn cut(&mut self, n: usize, one_request: bool, mut started: impl FnMut(&Job)) -> Batch {
+        let mut parts: Vec<(Arc<Job>, std::ops::Range<usize>)> = Vec::new();
         let mut left = n;
         'levels: for requests in &mut self.levels {
             let share = if one_request {
@@ -263,22 +266,20 @@ impl Queue {
 /// Who the batcher works for, for logs and metrics.
 pub(super) struct BatcherLabels {
     pub model: String,
-    pub version: String,
-    pub metrics: Arc<Metrics>,
+    pub series: ModelSeries,
 }
 
 pub(super) async fn run_batcher(
     labels: BatcherLabels,
-    mut jobs: mpsc::Receiver<Admitted>,
+    mut jobs: mpsc::Receiver<QueuedJob>,
     mut slots: mpsc::Receiver<Slot>,
     policy: BatchPolicy,
     mut state: watch::Receiver<ModelState>,
     stop: CancellationToken,
 ) {
     let model = labels.model.clone();
-    let mv = [labels.model.as_str(), labels.version.as_str()];
-    let m = &labels.metrics;
-    let pending_gauge = m.pending_requests.with_label_values(&mv);
+    let m = &labels.series;
+    let pending_gauge = &m.pending_requests;
     let mut queue = Queue::new(policy.queues.len());
     let has_timeouts = policy.has_timeouts();
     let mut idle: VecDeque<Slot> = VecDeque::new();
@@ -321,7 +322,7 @@ pub(super) async fn run_batcher(
                 Decision::Cut(n) => {
                     let batch = queue.cut(n, !policy.merge_requests, |job| {
                         m.latency
-                            .observe(Latency::Queue, &mv, micros(now - job.enqueued_at), 1);
+                            .observe(Latency::Queue, micros(now - job.enqueued_at), 1);
                     });
                     let slot = idle.pop_front().expect("loop runs only with an idle slot");
                     if let Err(batch) = slot.batches.send(batch) {
@@ -376,7 +377,7 @@ mod tests {
     use super::*;
     use crate::domain::Normalize;
     use crate::engine::OutputRequest;
-    use crate::scheduler::{InferJob, JobResult, QueuePolicy, RowFormat};
+    use crate::scheduler::{JobResult, JobRows, QueuePolicy, RowFormat};
     use std::time::Duration;
     use tokio::sync::{oneshot, Semaphore};
 
@@ -385,9 +386,9 @@ mod tests {
         mean: f32,
         level: usize,
         timeout: Option<Duration>,
-    ) -> (Admitted, oneshot::Receiver<JobResult>) {
+    ) -> (QueuedJob, oneshot::Receiver<JobResult>) {
         let (tx, rx) = oneshot::channel();
-        let job = InferJob {
+        let job = JobRows {
             rows: vec![bytes::Bytes::from_static(&[0u8; 3]); rows],
             format: RowFormat::Image(Normalize {
                 mean: [mean; 3],
@@ -401,8 +402,8 @@ mod tests {
         let permit = Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap();
         let place = Arc::new(QueuePlace::new(permit, Default::default()));
         (
-            Admitted {
-                job: Arc::new(JobState::new(job, tx)),
+            QueuedJob {
+                job: Arc::new(Job::new(job, tx)),
                 place,
                 level,
                 timeout,
@@ -411,7 +412,7 @@ mod tests {
         )
     }
 
-    fn job(rows: usize, mean: f32) -> (Admitted, oneshot::Receiver<JobResult>) {
+    fn job(rows: usize, mean: f32) -> (QueuedJob, oneshot::Receiver<JobResult>) {
         job_at(rows, mean, 0, None)
     }
 
@@ -435,7 +436,7 @@ mod tests {
     }
 
     /// A second job of `first`'s request.
-    fn same_request(first: &Admitted, rows: usize) -> (Admitted, oneshot::Receiver<JobResult>) {
+    fn same_request(first: &QueuedJob, rows: usize) -> (QueuedJob, oneshot::Receiver<JobResult>) {
         let (mut next, rx) = job(rows, 0.0);
         Arc::get_mut(&mut next.job).unwrap().request = first.job.request.clone();
         (next, rx)

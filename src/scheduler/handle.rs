@@ -7,9 +7,9 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-use super::{Admitted, BatchPolicy, ResponseCache};
+use super::{BatchPolicy, QueuedJob, ResponseCache};
 use crate::domain::{ModelName, ModelVersion};
-use crate::telemetry::Metrics;
+use crate::telemetry::ModelSeries;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum ModelState {
@@ -24,8 +24,8 @@ pub enum ModelState {
 pub(super) struct Inner {
     pub name: ModelName,
     pub version: ModelVersion,
-    pub metrics: Arc<Metrics>,
-    pub jobs: mpsc::Sender<Admitted>,
+    pub series: ModelSeries,
+    pub jobs: mpsc::Sender<QueuedJob>,
     pub policy: BatchPolicy,
     /// Per priority level, one permit per queue place (`max_queue_size`).
     pub queue_places: Vec<Arc<Semaphore>>,

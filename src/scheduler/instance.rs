@@ -9,7 +9,8 @@ use tokio::sync::{mpsc, oneshot};
 use super::{Batch, BatchFailed, RowFormat, RowOutput};
 use crate::domain::InstanceId;
 use crate::engine::{BatchInput, ComputeTimings, Engine, OutputRequest};
-use crate::telemetry::{micros, Latency, Metrics};
+use crate::telemetry::{micros, Latency, ModelSeries};
+use prometheus::IntCounter;
 
 /// An idle instance's offer: the batcher sends the next batch through it.
 pub(super) struct Slot {
@@ -20,8 +21,9 @@ pub(super) struct Slot {
 
 pub(super) struct InstanceContext {
     pub model: String,
-    pub version: String,
-    pub metrics: Arc<Metrics>,
+    pub series: ModelSeries,
+    /// This instance's count of executed batches.
+    pub executions: IntCounter,
     pub id: InstanceId,
     pub height: usize,
     pub width: usize,
@@ -180,8 +182,7 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
 /// the batch, as Triton accounts them (a request split into parts counts once), and once
 /// per execution in the opt-in histograms.
 fn record_execution(ctx: &InstanceContext, batch: &Batch, t: &ComputeTimings) {
-    let m = &ctx.metrics;
-    let mv = [ctx.model.as_str(), ctx.version.as_str()];
+    let m = &ctx.series;
     let rows = batch.rows();
     // Jobs are chunks of requests: count each request once.
     let mut requests: Vec<*const super::RequestMark> = Vec::new();
@@ -200,19 +201,15 @@ fn record_execution(ctx: &InstanceContext, batch: &Batch, t: &ComputeTimings) {
         infer_us = micros(t.infer),
         "batch ran"
     );
-    m.exec_count.with_label_values(&mv).inc();
-    m.inference_count.with_label_values(&mv).inc_by(rows as u64);
-    m.batch_size
-        .with_label_values(&[mv[0]])
-        .observe(rows as f64);
-    m.instance_executions
-        .with_label_values(&[mv[0], &ctx.id.to_string()])
-        .inc();
+    m.exec_count.inc();
+    m.inference_count.inc_by(rows as u64);
+    m.batch_size.observe(rows as f64);
+    ctx.executions.inc();
     for (which, took) in [
         (Latency::ComputeInput, t.input),
         (Latency::ComputeInfer, t.infer),
         (Latency::ComputeOutput, t.output),
     ] {
-        m.latency.observe(which, &mv, micros(took), requests);
+        m.latency.observe(which, micros(took), requests);
     }
 }

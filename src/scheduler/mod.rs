@@ -12,6 +12,7 @@ mod instance;
 pub mod policy;
 mod request;
 mod start;
+mod tuning;
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -23,7 +24,8 @@ pub use cache::ResponseCache;
 pub use handle::{ModelHandle, ModelState};
 pub use policy::{BatchPolicy, QueuePolicy};
 pub use request::{RequestSpec, RowFailures, RowIn, RunError, RunResult};
-pub use start::{start_model, BatchSizeChoice, EngineFactory, ModelSettings};
+pub use start::{start_model, EngineFactory, ModelSettings};
+pub use tuning::BatchSizeChoice;
 
 use crate::domain::{ClassScore, Normalize};
 use crate::engine::OutputRequest;
@@ -134,7 +136,7 @@ pub enum RowFormat {
 
 /// One chunk of a request's rows and what it wants back.
 #[derive(Debug)]
-pub(crate) struct InferJob {
+pub(crate) struct JobRows {
     pub rows: Vec<Row>,
     pub format: RowFormat,
     pub want: OutputRequest,
@@ -151,7 +153,7 @@ pub struct RowOutput {
 /// the whole job's error (expired, the model stopped).
 pub(crate) type JobResult = Result<Vec<Result<RowOutput, BatchFailed>>, SchedulerError>;
 
-struct Collect {
+struct JobOutputs {
     outputs: Vec<Option<Result<RowOutput, BatchFailed>>>,
     remaining: usize,
     reply: Option<oneshot::Sender<JobResult>>,
@@ -178,24 +180,26 @@ impl RequestMark {
     }
 }
 
-/// A job in the batcher: its rows are read by the instances that run its ranges, and
-/// every range writes its outputs back here; the last one answers.
-pub(crate) struct JobState {
-    job: InferJob,
+/// A job: one chunk of a request's rows, from its submission (`JobRows`) to its answer
+/// (`JobResult`); sent to the batcher as a `QueuedJob`, held there as a `WaitingJob`. Its
+/// rows are read by the instances that run its ranges, and every range writes its outputs
+/// back here; the last one answers.
+pub(crate) struct Job {
+    job: JobRows,
     enqueued_at: Instant,
     /// Shared by the jobs of one request.
     request: Arc<RequestMark>,
     /// Where each row's output is cached as soon as its batch finishes (so a repeat in a
     /// later chunk of the same upload can already hit).
     cache: Option<(Arc<ResponseCache>, Vec<cache::CacheKey>)>,
-    collect: Mutex<Collect>,
+    collect: Mutex<JobOutputs>,
 }
 
-impl JobState {
-    fn new(job: InferJob, reply: oneshot::Sender<JobResult>) -> Self {
+impl Job {
+    fn new(job: JobRows, reply: oneshot::Sender<JobResult>) -> Self {
         let n = job.rows.len();
         Self {
-            collect: Mutex::new(Collect {
+            collect: Mutex::new(JobOutputs {
                 outputs: vec![None; n],
                 remaining: n,
                 reply: Some(reply),
@@ -211,7 +215,7 @@ impl JobState {
         self.job.rows.len()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Collect> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, JobOutputs> {
         // A panic while holding this lock only ever happens in code that cannot panic
         // (plain assignments); recover the data rather than poisoning the job.
         self.collect.lock().unwrap_or_else(|p| p.into_inner())
@@ -271,8 +275,8 @@ impl JobState {
 /// A job admitted into a model's queue. Its place is one of `max_queue_size`, shared by
 /// the jobs of one request and held until their last rows leave the queue, so admission
 /// bounds the requests waiting in the batcher, not just those in the channel.
-pub(crate) struct Admitted {
-    pub job: Arc<JobState>,
+pub(crate) struct QueuedJob {
+    pub job: Arc<Job>,
     pub place: Arc<handle::QueuePlace>,
     /// Priority level (index into the policy's queues).
     pub level: usize,
@@ -282,7 +286,7 @@ pub(crate) struct Admitted {
 
 /// Row ranges of one or more jobs, run together on one instance.
 pub(crate) struct Batch {
-    parts: Vec<(Arc<JobState>, Range<usize>)>,
+    parts: Vec<(Arc<Job>, Range<usize>)>,
 }
 
 impl Batch {

@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 use super::cache::{CacheKey, ResponseCache};
 use super::handle::{Inner, QueuePlace};
 use super::{
-    Admitted, BatchFailed, InferJob, JobResult, JobState, ModelHandle, ModelState, RequestMark,
+    BatchFailed, Job, JobResult, JobRows, ModelHandle, ModelState, QueuedJob, RequestMark,
     RowFailure, RowFormat, RowOutput, SchedulerError,
 };
 use crate::domain::RequestOptions;
@@ -183,21 +183,15 @@ impl ModelHandle {
         inner
             .last_inference_ms
             .store(now, std::sync::atomic::Ordering::Relaxed);
-        let version = inner.version.to_string();
-        let labels = [inner.name.as_str(), version.as_str()];
-        let m = &inner.metrics;
-        let why = match outcome {
+        let m = &inner.series;
+        match outcome {
             Outcome::Completed => {
-                m.request_success.with_label_values(&labels).inc();
+                m.request_success.inc();
                 m.latency
-                    .observe(Latency::Request, &labels, micros(started.elapsed()), 1);
-                return;
+                    .observe(Latency::Request, micros(started.elapsed()), 1);
             }
-            Outcome::Failed(why) => why,
-        };
-        m.request_failure
-            .with_label_values(&[labels[0], labels[1], why])
-            .inc();
+            Outcome::Failed(why) => m.failed(why),
+        }
     }
 }
 
@@ -346,7 +340,7 @@ impl Admission {
     /// backpressure, not admission.
     async fn submit(&mut self, rows: Vec<Row>, spec: RequestSpec) -> Result<PendingRows, RunError> {
         let inner = &self.handle.inner;
-        let mut job = InferJob {
+        let mut job = JobRows {
             rows,
             format: spec.format,
             want: spec.want,
@@ -372,10 +366,10 @@ impl Admission {
             .place
             .clone()
             .expect("rows are submitted only before the request is complete");
-        let mut state = JobState::new(job, reply);
+        let mut state = Job::new(job, reply);
         state.cache = inner.cache.clone().map(|cache| (cache, miss_keys));
         state.request = self.request.clone();
-        let admitted = Admitted {
+        let admitted = QueuedJob {
             job: Arc::new(state),
             place,
             level: self.level,
@@ -449,7 +443,7 @@ fn missing_outputs(inner: &Inner) -> RunError {
 fn lookup(
     inner: &Inner,
     cache: &ResponseCache,
-    job: &InferJob,
+    job: &JobRows,
 ) -> (Vec<Option<RowOutput>>, Vec<CacheKey>) {
     let keys: Vec<CacheKey> = job
         .rows
@@ -467,13 +461,7 @@ fn lookup(
         .collect();
     let found: Vec<Option<RowOutput>> = keys.iter().map(|&k| cache.get(k)).collect();
     let hits = found.iter().filter(|f| f.is_some()).count() as u64;
-    let version = inner.version.to_string();
-    let mv = [inner.name.as_str(), version.as_str()];
-    inner.metrics.cache_hits.with_label_values(&mv).inc_by(hits);
-    inner
-        .metrics
-        .cache_misses
-        .with_label_values(&mv)
-        .inc_by(found.len() as u64 - hits);
+    inner.series.cache_hits.inc_by(hits);
+    inner.series.cache_misses.inc_by(found.len() as u64 - hits);
     (found, keys)
 }

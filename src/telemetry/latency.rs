@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::{LabelPair, Metric, MetricFamily, MetricType, Quantile, Summary};
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+};
 
 /// `--metrics-config` settings, as Triton reads them.
 #[derive(Debug, Clone, PartialEq)]
@@ -165,18 +167,18 @@ impl Latencies {
         }
     }
 
-    /// Records `us` microseconds of `which` for `requests` requests (a batch's compute
-    /// time counts once for each request in it, as Triton accounts it; the histogram
-    /// takes one observation per execution).
-    pub fn observe(&self, which: Latency, mv: &[&str; 2], us: u64, requests: u64) {
-        self.counters[which.index()]
-            .with_label_values(mv)
-            .inc_by(us * requests);
-        if let Some(s) = &self.summaries {
-            s.observe(which, mv, us as f64, requests);
-        }
-        if let Some(h) = &self.histograms {
-            h[which.index()].with_label_values(mv).observe(us as f64);
+    /// A model version's series, created at zero.
+    pub fn register_model(&self, mv: &[&str; 2]) -> ModelLatencies {
+        ModelLatencies {
+            counters: self.counters.each_ref().map(|c| c.with_label_values(mv)),
+            summaries: self
+                .summaries
+                .clone()
+                .map(|s| (s, [mv[0].to_string(), mv[1].to_string()])),
+            histograms: self
+                .histograms
+                .as_ref()
+                .map(|h| h.each_ref().map(|h| h.with_label_values(mv))),
         }
     }
 
@@ -184,16 +186,32 @@ impl Latencies {
     pub fn counter(&self, which: Latency) -> &IntCounterVec {
         &self.counters[which.index()]
     }
+}
 
-    /// Creates a model's series at zero.
-    pub fn register_model(&self, mv: &[&str; 2]) {
-        for c in &self.counters {
-            c.with_label_values(mv);
+/// One model version's latency series (see [`Latencies::register_model`]).
+#[derive(Debug, Clone)]
+pub struct ModelLatencies {
+    counters: [IntCounter; 5],
+    summaries: Option<(std::sync::Arc<Summaries>, [String; 2])>,
+    histograms: Option<[Histogram; 5]>,
+}
+
+impl ModelLatencies {
+    /// Records `us` microseconds of `which` for `requests` requests (a batch's compute
+    /// time counts once for each request in it, as Triton accounts it; the histogram
+    /// takes one observation per execution).
+    pub fn observe(&self, which: Latency, us: u64, requests: u64) {
+        self.counters[which.index()].inc_by(us * requests);
+        if let Some((s, [model, version])) = &self.summaries {
+            s.observe(
+                which,
+                &[model.as_str(), version.as_str()],
+                us as f64,
+                requests,
+            );
         }
         if let Some(h) = &self.histograms {
-            for h in h {
-                h.with_label_values(mv);
-            }
+            h[which.index()].observe(us as f64);
         }
     }
 }
@@ -364,7 +382,8 @@ mod tests {
     fn default_is_counters_only() {
         let registry = Registry::new();
         let l = Latencies::new(&MetricsConfig::default(), &registry);
-        l.observe(Latency::ComputeInfer, &["m", "1"], 10, 3);
+        l.register_model(&["m", "1"])
+            .observe(Latency::ComputeInfer, 10, 3);
         let text = render(&registry, &l);
         assert!(
             text.contains("nv_inference_compute_infer_duration_us{model=\"m\",version=\"1\"} 30")
@@ -385,10 +404,11 @@ mod tests {
             ..Default::default()
         };
         let l = Latencies::new(&config, &registry);
+        let m = l.register_model(&["m", "1"]);
         for us in [100, 200, 300, 400] {
-            l.observe(Latency::Request, &["m", "1"], us, 1);
+            m.observe(Latency::Request, us, 1);
         }
-        l.observe(Latency::ComputeInfer, &["m", "1"], 5000, 4);
+        m.observe(Latency::ComputeInfer, 5000, 4);
         let text = render(&registry, &l);
         assert!(
             text.contains("# TYPE nv_inference_request_summary_us summary"),
@@ -449,7 +469,7 @@ mod tests {
             ..Default::default()
         };
         let l = Latencies::new(&config, &registry);
-        l.observe(Latency::Queue, &["m", "1"], 10, 1);
+        l.register_model(&["m", "1"]).observe(Latency::Queue, 10, 1);
         assert!(!render(&registry, &l).contains("duration_us"));
     }
 }

@@ -7,11 +7,11 @@ mod nvml;
 mod system;
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-pub use latency::{Latencies, Latency, MetricsConfig};
+pub use latency::{Latencies, Latency, MetricsConfig, ModelLatencies};
 pub use nvml::Nvml;
 pub use system::{spawn_poller, GpuProbe, GpuSample};
 
@@ -108,6 +108,8 @@ pub struct Metrics {
     pub decode_memory_bytes: IntGauge,
     /// 1 per loaded instance: its device, and why it is not where the config puts it.
     pub instance_device: IntGaugeVec,
+    /// The instances of each model serving now (loaded, not restarting after a panic).
+    instances_up: IntGaugeVec,
     /// CPU and GPU series, refreshed by [`spawn_poller`].
     host: system::HostMetrics,
 }
@@ -218,8 +220,21 @@ impl Metrics {
         registry
             .register(Box::new(instance_device.clone()))
             .expect("unique metric");
+        let instances_up = IntGaugeVec::new(
+            Opts::new(
+                "visiongate_model_instances_up",
+                "Instances of the model serving now; fewer than it has while one restarts \
+                 after its engine failed",
+            ),
+            MV,
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(instances_up.clone()))
+            .expect("unique metric");
         Metrics {
             instance_device,
+            instances_up,
             request_success,
             request_failure,
             inference_count,
@@ -237,19 +252,30 @@ impl Metrics {
         }
     }
 
-    /// Creates the per-model series at zero, so a dashboard sees the model before traffic.
-    pub fn register_model(&self, model: &str, version: &str) {
+    /// A model version's series, created at zero (a dashboard sees the model before its
+    /// traffic) and looked up once here: a label lookup hashes the values under the
+    /// vector's lock, which the request and batch paths then skip.
+    pub fn register_model(&self, model: &str, version: &str) -> ModelSeries {
         let mv = [model, version];
-        self.request_success.with_label_values(&mv);
-        self.inference_count.with_label_values(&mv);
-        self.exec_count.with_label_values(&mv);
-        self.pending_requests.with_label_values(&mv);
-        self.latency.register_model(&mv);
-        self.cache_hits.with_label_values(&mv);
-        self.cache_misses.with_label_values(&mv);
-        for r in reason::ALL {
-            self.request_failure.with_label_values(&[model, version, r]);
+        ModelSeries {
+            request_success: self.request_success.with_label_values(&mv),
+            request_failure: reason::ALL
+                .map(|r| self.request_failure.with_label_values(&[model, version, r])),
+            inference_count: self.inference_count.with_label_values(&mv),
+            exec_count: self.exec_count.with_label_values(&mv),
+            pending_requests: self.pending_requests.with_label_values(&mv),
+            cache_hits: self.cache_hits.with_label_values(&mv),
+            cache_misses: self.cache_misses.with_label_values(&mv),
+            batch_size: self.batch_size.with_label_values(&[model]),
+            instances_up: self.instances_up.with_label_values(&mv),
+            latency: self.latency.register_model(&mv),
         }
+    }
+
+    /// An instance's count of executed batches.
+    pub fn instance_executions(&self, model: &str, instance: &str) -> IntCounter {
+        self.instance_executions
+            .with_label_values(&[model, instance])
     }
 
     /// Prometheus text exposition format.
@@ -264,6 +290,32 @@ impl Metrics {
             .encode(&families, &mut out)
             .expect("encoding metrics to a Vec cannot fail");
         String::from_utf8(out).expect("the text format is UTF-8")
+    }
+}
+
+/// One model version's series (see [`Metrics::register_model`]).
+#[derive(Debug, Clone)]
+pub struct ModelSeries {
+    pub request_success: IntCounter,
+    /// One per `reason::ALL`, in its order.
+    request_failure: [IntCounter; reason::ALL.len()],
+    pub inference_count: IntCounter,
+    pub exec_count: IntCounter,
+    pub pending_requests: IntGauge,
+    pub cache_hits: IntCounter,
+    pub cache_misses: IntCounter,
+    pub batch_size: Histogram,
+    pub instances_up: IntGauge,
+    pub latency: ModelLatencies,
+}
+
+impl ModelSeries {
+    /// Counts a failed request under `why`, one of `reason::ALL`.
+    pub fn failed(&self, why: &'static str) {
+        let at = |r: &str| reason::ALL.iter().position(|&known| known == r);
+        debug_assert!(at(why).is_some(), "'{why}' is not in reason::ALL");
+        let i = at(why).or_else(|| at(reason::OTHER)).unwrap_or_default();
+        self.request_failure[i].inc();
     }
 }
 

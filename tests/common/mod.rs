@@ -2,10 +2,12 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use reqwest::multipart::{Form, Part};
 use visiongate::config::Config;
+use visiongate::engine::FakeFaults;
 use visiongate::{EngineChoice, Gateway};
 
 pub struct TestGateway {
@@ -112,6 +114,13 @@ pub fn photos(dir: &str) -> Vec<(String, Vec<u8>)> {
     names.iter().map(|n| photo(dir, n)).collect()
 }
 
+/// Says that a test, or its part, did not run on this host and why: written past the
+/// test harness's capture, so that it shows among the passing tests.
+pub fn not_run(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "NOT RUN: {why}");
+}
+
 /// ImageNet cat classes (tabby, tiger cat, Persian, Siamese, Egyptian cat).
 pub const CAT_CLASSES: [u64; 5] = [281, 282, 283, 284, 285];
 
@@ -131,6 +140,34 @@ pub async fn start_fake_gateway(config: Config, faults: visiongate::engine::Fake
 }
 
 impl TestGateway {
+    /// The fake engine on `config`'s repository with its gate closed once the models are
+    /// ready: every batch waits in the engine until the test lets it through
+    /// (`faults.gate`).
+    pub async fn start_gated(config: Config) -> (TestGateway, Arc<FakeFaults>) {
+        let (gw, faults) = Self::start_faulty(config, FakeFaults::default()).await;
+        faults.gate.close();
+        (gw, faults)
+    }
+
+    /// The fake engine (no latency) on `config`'s repository with `faults`, which the test
+    /// keeps to change.
+    pub async fn start_faulty(
+        config: Config,
+        faults: FakeFaults,
+    ) -> (TestGateway, Arc<FakeFaults>) {
+        let faults = Arc::new(faults);
+        let gw = Self::start_with(
+            config,
+            EngineChoice::Fake {
+                num_classes: 1000,
+                latency: Duration::ZERO,
+                faults: faults.clone(),
+            },
+        )
+        .await;
+        (gw, faults)
+    }
+
     /// The fake engine (deterministic, `latency` per batch) on `config`'s repository.
     pub async fn start_fake(config: Config, latency: Duration) -> TestGateway {
         Self::start_with(
@@ -170,6 +207,33 @@ impl TestGateway {
     /// Sum of the samples of `name` whose labels contain every `labels` fragment.
     pub async fn metric(&self, name: &str, labels: &[&str]) -> f64 {
         metric_sum(&self.metrics_text().await, name, labels)
+    }
+
+    /// Waits (10 s at most) until `metric(name, labels)` reads `value`: a state the server
+    /// reaches on its own (a request queued, a closed connection noticed).
+    pub async fn wait_for_metric(&self, name: &str, labels: &[&str], value: f64) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let now = self.metric(name, labels).await;
+            if now == value {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{name}{labels:?} is {now} after 10 s, not {value}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Waits until the classifier holds `n` requests in its queue.
+    pub async fn wait_for_queued(&self, n: usize) {
+        self.wait_for_metric(
+            "nv_inference_pending_request_count",
+            &["model=\"classifier\""],
+            n as f64,
+        )
+        .await
     }
 }
 

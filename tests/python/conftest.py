@@ -1,6 +1,7 @@
 """Starts the real visiongate binary (release build, bundled repository) for the suite."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,6 +15,17 @@ import requests
 ROOT = Path(__file__).resolve().parents[2]
 PHOTOS = ROOT / "tests" / "fixtures" / "photos"
 sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def require_tool(name):
+    """A program the test runs. Missing, the test is not run (reported as skipped), and
+    under CI=true it fails: CI has every tool the suite uses (scripts/setup.sh installs
+    them)."""
+    if shutil.which(name):
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{name} is not installed: CI runs every test (scripts/setup.sh installs it)")
+    pytest.skip(f"not run: needs {name} (scripts/setup.sh installs it)")
 
 
 def free_port():

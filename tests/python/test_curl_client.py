@@ -1,16 +1,15 @@
 """The README's curl command, run with the real curl against the real server."""
 
 import json
-import shutil
 import subprocess
 
-import pytest
+from conftest import require_tool
 
 CATS = {281, 282, 283, 284, 285}
 
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_curl_upload_of_two_photos_and_a_text_file(server, all_photos, tmp_path):
+    require_tool("curl")
     chelsea = next(p for p in all_photos if p.name == "sk_chelsea.jpg")
     coffee = next(p for p in all_photos if p.name == "sk_coffee.jpg")
     notes = tmp_path / "notes.txt"

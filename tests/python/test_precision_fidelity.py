@@ -96,7 +96,7 @@ def test_bf16_agrees_with_fp32_on_99_percent_near_ties_excused(server, tmp_path)
             s = Server(*args, repository=False)
         except RuntimeError as e:
             assert "AVX-512 BF16" in str(e), e
-            return
+            pytest.skip("not run: needs a CPU with AVX-512 BF16 or AMX (the refusal to load was checked)")
         s.stop()
         pytest.fail("bf16 loaded on a CPU without AVX-512 BF16 or AMX")
     paths = photos()

@@ -5,12 +5,11 @@ test-artifacts/ (upload-page.png, upload-page-phone.png, docs.png)."""
 
 import json
 import os
-import shutil
 import subprocess
 
 import pytest
 
-from conftest import PHOTOS, ROOT
+from conftest import PHOTOS, ROOT, require_tool
 
 ARTIFACTS = ROOT / "test-artifacts"
 SCRIPT = ROOT / "tests" / "browser" / "upload.mjs"
@@ -19,8 +18,8 @@ SCRIPT = ROOT / "tests" / "browser" / "upload.mjs"
 @pytest.fixture(scope="module")
 def page_run(server, tmp_path_factory):
     chromium = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-    assert os.path.exists(chromium), "chromium is missing: scripts/setup.sh installs it"
-    assert shutil.which("node"), "node is missing: scripts/setup.sh installs it"
+    require_tool(chromium)
+    require_tool("node")
     broken = tmp_path_factory.mktemp("upload") / "holiday.jpg"
     broken.write_bytes(b"\xff\xd8\xff\xe0 this is not really a JPEG" * 20)
     photos = [PHOTOS / "small" / n for n in ["sk_chelsea.jpg", "sk_coffee.jpg", "LadyBird.jpg"]]

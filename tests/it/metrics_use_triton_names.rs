@@ -1,5 +1,5 @@
 //! Prometheus metrics on their own port, with Triton's names and labels.
-mod common;
+use crate::common;
 
 use common::{photo, TestGateway};
 use visiongate::config::Config;

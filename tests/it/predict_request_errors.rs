@@ -1,5 +1,5 @@
 //! Request-level errors: right status, JSON `{"error", "code"}`, never a 5xx.
-mod common;
+use crate::common;
 
 use common::{photo, photos, Reply, TestGateway};
 use visiongate::config::Config;

@@ -2,7 +2,7 @@
 //! control key, load with a `config` override, version policies serving several versions,
 //! reloads that fail keeping the previous version, unloads that let admitted requests
 //! finish, and poll mode following the files.
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

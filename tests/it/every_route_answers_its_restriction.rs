@@ -3,7 +3,7 @@
 //! and lets one with the key through; the open routes (the upload page, the API docs) need
 //! none. The list comes from the route table the server is built from, so a new route is
 //! checked as soon as it exists.
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

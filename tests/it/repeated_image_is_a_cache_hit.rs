@@ -1,6 +1,6 @@
 //! With `response_cache { enable: true }` a photo seen before is answered from the cache
 //! without running the model, with the same answer.
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

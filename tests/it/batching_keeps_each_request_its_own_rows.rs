@@ -1,5 +1,5 @@
 //! Dynamic batching merges concurrent requests and splits large ones without mixing rows.
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

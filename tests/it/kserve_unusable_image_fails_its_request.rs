@@ -1,7 +1,7 @@
 //! KServe has no per-row errors: an image of an ensemble request that cannot be used fails
 //! the whole request, naming its row, with the status of why: 413 / RESOURCE_EXHAUSTED for
 //! an image over `--max-image-pixels`, 400 / INVALID_ARGUMENT for one that is not an image.
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,6 +1,6 @@
 //! A request still queued when its timeout passes is answered with a deadline error
 //! (Triton's queue policy, REJECT); requests without a timeout keep waiting and run.
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,13 +19,15 @@ async fn a_request_past_its_queue_timeout_gets_504_and_the_others_run() {
             "default_queue_policy { allow_timeout_override: true }",
         )
     })];
-    let gw = Arc::new(TestGateway::start_fake(config, Duration::from_millis(1200)).await);
-    // Two requests keep both instances busy for 1.2 s.
+    let (gw, faults) = TestGateway::start_gated(config).await;
+    let (gw, gate) = (Arc::new(gw), &faults.gate);
+    // Two requests hold both instances until the gate opens.
     let busy = [spawn_predict(&gw, "", 1), spawn_predict(&gw, "", 2)];
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    gate.held(2).await;
 
     // Without a timeout: waits for an instance, then runs.
     let patient = spawn_predict(&gw, "", 3);
+    gw.wait_for_queued(1).await;
     let started = Instant::now();
     let r = gw
         .predict(
@@ -45,6 +47,7 @@ async fn a_request_past_its_queue_timeout_gets_504_and_the_others_run() {
         waited >= Duration::from_millis(200),
         "answered after {waited:?}, before its timeout"
     );
+    gate.open();
 
     for (i, task) in busy.into_iter().chain([patient]).enumerate() {
         let r = task.await.unwrap();
@@ -71,9 +74,10 @@ async fn a_request_cannot_lengthen_the_default_timeout() {
              allow_timeout_override: true }",
         )
     })];
-    let gw = Arc::new(TestGateway::start_fake(config, Duration::from_millis(1000)).await);
+    let (gw, faults) = TestGateway::start_gated(config).await;
+    let (gw, gate) = (Arc::new(gw), &faults.gate);
     let busy = [spawn_predict(&gw, "", 1), spawn_predict(&gw, "", 2)];
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    gate.held(2).await;
     // Asks for 10 s; the model's default of 150 ms still applies.
     let r = gw
         .predict(
@@ -87,6 +91,7 @@ async fn a_request_cannot_lengthen_the_default_timeout() {
         "{}",
         r.json
     );
+    gate.open();
     for task in busy {
         assert_eq!(task.await.unwrap().status, 200);
     }

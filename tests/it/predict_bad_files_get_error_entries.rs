@@ -1,5 +1,5 @@
 //! Per-file errors stay per file: the photos beside a bad file keep their labels.
-mod common;
+use crate::common;
 
 use common::{photo, TestGateway};
 use visiongate::config::Config;

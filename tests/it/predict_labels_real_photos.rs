@@ -1,5 +1,5 @@
 //! `/predict` end to end on the real model (libtorch on CPU) and real photos.
-mod common;
+use crate::common;
 
 use common::{photo, photos, TestGateway, CAT_CLASSES};
 use visiongate::config::Config;

@@ -1,9 +1,10 @@
 //! Admission refuses at once when the model's queue is full.
-mod common;
+use crate::common;
 
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
-use common::{solid_png, temp_repository, with_preferred, TestGateway};
+use common::{solid_png, spawn_predict, stop_shared, temp_repository, with_preferred, TestGateway};
 use visiongate::config::Config;
 
 #[tokio::test(flavor = "multi_thread")]
@@ -13,32 +14,35 @@ async fn full_queue_answers_503_with_retry_after_at_once() {
         with_preferred(m, t, "[ 1 ]")
     })];
     config.max_queue_size = 1;
-    let gw =
-        std::sync::Arc::new(TestGateway::start_fake(config, Duration::from_millis(1500)).await);
-    // Two requests keep both instances busy, a third waits in the one queue place.
+    let (gw, faults) = TestGateway::start_gated(config).await;
+    let (gw, gate) = (Arc::new(gw), &faults.gate);
+    // Two requests hold both instances (one after the other: the one queue place is free
+    // again once a request's row runs), a third waits in the queue place.
     let mut running = Vec::new();
-    for i in 0..3u8 {
-        let gw = gw.clone();
-        running.push(tokio::spawn(async move {
-            gw.predict("", &[(format!("{i}.png"), solid_png(i))]).await
-        }));
-        tokio::time::sleep(Duration::from_millis(150)).await;
+    for i in 0..2u8 {
+        running.push(spawn_predict(&gw, "", i));
+        gate.held(usize::from(i) + 1).await;
     }
+    running.push(spawn_predict(&gw, "", 2));
+    gw.wait_for_queued(1).await;
+
+    // Nothing leaves the queue while the gate holds the instances: an answer now is a
+    // refusal that did not wait for a place.
     for i in 3..6u8 {
-        let started = Instant::now();
-        let r = gw.predict("", &[(format!("{i}.png"), solid_png(i))]).await;
+        let r = tokio::time::timeout(
+            Duration::from_secs(10),
+            gw.predict("", &[(format!("{i}.png"), solid_png(i))]),
+        )
+        .await
+        .expect("refused at once, not after waiting for a queue place");
         assert_eq!(r.status, 503, "{}", r.json);
         assert_eq!(r.json["code"], "overloaded");
         assert!(
             r.headers.contains_key("retry-after"),
             "503 without Retry-After"
         );
-        let waited = started.elapsed();
-        assert!(
-            waited < Duration::from_millis(500),
-            "refused after {waited:?}, not at once"
-        );
     }
+    gate.open();
     for (i, r) in running.into_iter().enumerate() {
         let r = r.await.unwrap();
         assert_eq!(r.status, 200, "admitted request {i}: {}", r.json);
@@ -54,8 +58,5 @@ async fn full_queue_answers_503_with_retry_after_at_once() {
             .await,
         3.0
     );
-    let gw = std::sync::Arc::try_unwrap(gw)
-        .ok()
-        .expect("every request task has ended");
-    gw.stop().await;
+    stop_shared(gw).await;
 }

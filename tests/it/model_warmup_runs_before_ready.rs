@@ -1,6 +1,6 @@
 //! A classifier's `model_warmup` samples (Triton's) run on each instance before the model
 //! is ready: zero, random and file data; the first failing sample fails the load, named.
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! 408 `request_timeout` once its body budget runs out. A `Content-Length` over the limit
 //! is answered 413 before any of the body is sent. A preamble or a part's header block
 //! that goes on and on is answered 400 as soon as it passes its limit.
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

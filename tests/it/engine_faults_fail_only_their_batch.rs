@@ -3,7 +3,7 @@
 //! usual; a KServe request gets an error naming the model), a panicked instance is
 //! restarted with its model, and while every instance is down, readiness, the model's
 //! own readiness and the repository index say so; once an instance is back, it serves.
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -124,23 +124,31 @@ async fn engine_faults_fail_only_their_batch_and_instances_restart() {
         .expect_err("a batch short of a row fails the request");
     assert_eq!(status_of.code(), tonic::Code::Internal);
 
-    // Both instances panic while no new engine can be loaded: the model is down, and
-    // every view of it says so.
+    // Both instances panic while no new engine can be loaded: each panic fails its file,
+    // then the model is down, and every view of it says so. (The instance that panicked
+    // above restarts after a pause: both are up first.)
+    gw.wait_for_metric("visiongate_model_instances_up", &["classifier"], 2.0)
+        .await;
     faults.refuse_loads.store(true, Ordering::SeqCst);
+    for up in [1.0, 0.0] {
+        let r = gw.predict("", &files(&[PANIC])).await;
+        assert_eq!(r.status, 200, "{}", r.json);
+        assert_eq!(
+            r.results()[0]["error"]["code"],
+            "model_failed",
+            "{}",
+            r.json
+        );
+        gw.wait_for_metric("visiongate_model_instances_up", &["classifier"], up)
+            .await;
+    }
     let deadline = Instant::now() + Duration::from_secs(10);
     while status(&gw, "/v2/health/ready").await != 503 {
         assert!(
             Instant::now() < deadline,
             "still ready with every instance down"
         );
-        let r = gw.predict("", &files(&[PANIC])).await;
-        // The instance that takes it fails its file; once none is up, the model is not
-        // ready.
-        assert!(
-            r.status == 503 || r.results()[0]["error"]["code"] == "model_failed",
-            "{}",
-            r.json
-        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_ne!(status(&gw, "/v2/models/classifier/ready").await, 200);
     assert_ne!(status(&gw, "/v2/models/ensemble_model/ready").await, 200);

@@ -1,7 +1,7 @@
 //! KServe v2 read-only endpoints: server metadata, model metadata, liveness and readiness
 //! (KServe's bodies, Triton's status codes), with Triton's shapes and datatype names, and
 //! JSON errors for unknown models and versions.
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
