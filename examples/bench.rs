@@ -237,6 +237,7 @@ async fn main() {
             "--intra-op-threads",
             &cores.to_string(),
             "--precision=fp32",
+            "--max-queue-delay-secs=60",
         ],
         &[("MALLOC_CONF", "dirty_decay_ms:0")],
     )

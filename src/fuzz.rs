@@ -120,7 +120,13 @@ pub fn model_config(data: &[u8]) {
     let again = repository::parse_model_config_json("m", &json).expect("its own JSON reads back");
     assert_eq!(config, again, "the JSON mapping changed the config");
     let dir = std::path::Path::new("/nonexistent/visiongate-fuzz/m");
-    let _ = repository::model_kind(dir, "m", &config, crate::domain::ModelVersion(1));
+    let _ = repository::model_kind(
+        dir,
+        "m",
+        &config,
+        crate::domain::ModelVersion(1),
+        &repository::Limits::default(),
+    );
 }
 
 /// An input as `kserve::infer` takes it, the way it does before any model runs: its size

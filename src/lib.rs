@@ -58,7 +58,7 @@ impl Gateway {
     /// Loads the repository, starts the models and binds the listeners. Returns once bound;
     /// the models finish loading in the background (see [`Gateway::wait_ready`]).
     pub async fn start(settings: Settings, engine: EngineChoice) -> anyhow::Result<Gateway> {
-        let scan = repository::scan(&settings.control.repositories)
+        let scan = repository::scan(&settings.control.repositories, &settings.control.limits)
             .context("reading the model repository")?;
         let engines = Engines::new(engine, settings.engine)?;
         let decode_threads = decode_threads(&settings, &scan, &engines);
@@ -197,10 +197,9 @@ fn decode_threads(settings: &Settings, scan: &repository::ScanResult, engines: &
             &spec.instance_groups,
             engines.gpu_count,
             engines.unusable_gpus,
+            settings.control.limits.model_instances,
         )
-        .0
-        .iter()
-        .any(|i| i.gpu.is_some()),
+        .is_ok_and(|(instances, _)| instances.iter().any(|i| i.gpu.is_some())),
         _ => false,
     });
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -236,6 +235,7 @@ fn build_state(
             max_image_pixels: models.max_image_pixels,
             dct_override: models.dct_override,
             precision: models.precision,
+            live_instances: Default::default(),
         },
         StateSettings {
             control: settings.control.clone(),

@@ -14,6 +14,7 @@ pub use triton::LogFormat;
 use crate::domain::Precision;
 use crate::grpc::{ConnLimits, GrpcSettings};
 use crate::pace::BodyPace;
+use crate::repository::Limits;
 use crate::state::{
     ApiKeys, ControlMode, ControlSettings, Endpoint, ServerOptions, UploadLimits,
     GRPC_HEADER_PREFIX,
@@ -265,6 +266,36 @@ pub struct Config {
     /// `default_queue_policy.max_queue_size`. One more is refused at once with 503.
     #[arg(long, env = "VISIONGATE_MAX_QUEUE_SIZE", default_value_t = 256)]
     pub max_queue_size: usize,
+
+    /// Versions of one model served at once (its `version_policy` may select no more).
+    #[arg(long, env = "VISIONGATE_MAX_MODEL_VERSIONS", default_value_t = Limits::DEFAULT_VERSIONS)]
+    pub max_model_versions: usize,
+
+    /// Bytes of one batch's input: a classifier's `max_batch_size` rows of its FP32
+    /// `[3, height, width]` input (and one preprocessor output image) may take no more.
+    /// Every batch a model runs, at warm-up or serving, is within it.
+    #[arg(long, env = "VISIONGATE_MAX_BATCH_BYTES", default_value_t = Limits::DEFAULT_BATCH_BYTES)]
+    pub max_batch_bytes: u64,
+
+    /// Rows the `model_warmup` samples of one model run on each instance before it serves
+    /// (each sample's `batch_size` times its `count`).
+    #[arg(long, env = "VISIONGATE_MAX_WARMUP_ROWS", default_value_t = Limits::DEFAULT_WARMUP_ROWS)]
+    pub max_warmup_rows: u64,
+
+    /// Instances of one model version (each a thread with its own copy of the model), as
+    /// its `instance_group`s place them on this host.
+    #[arg(long, env = "VISIONGATE_MAX_MODEL_INSTANCES", default_value_t = Limits::DEFAULT_MODEL_INSTANCES)]
+    pub max_model_instances: usize,
+
+    /// Seconds a row may wait for a batch to fill: a model's
+    /// `max_queue_delay_microseconds` may be no longer.
+    #[arg(long, env = "VISIONGATE_MAX_QUEUE_DELAY_SECS", default_value_t = Limits::DEFAULT_QUEUE_DELAY_SECS)]
+    pub max_queue_delay_secs: u64,
+
+    /// Instances of all models together; those of a model being replaced count until it
+    /// has finished its requests.
+    #[arg(long, env = "VISIONGATE_MAX_INSTANCES", default_value_t = Limits::DEFAULT_INSTANCES)]
+    pub max_instances: usize,
 
     /// Response cache size in bytes, shared by the models whose config.pbtxt has
     /// `response_cache { enable: true }`. An entry (one image's answer) takes about 200
@@ -518,6 +549,10 @@ impl Config {
         if self.max_files == 0
             || self.intra_op_threads == 0
             || self.max_queue_size == 0
+            || self.max_model_versions == 0
+            || self.max_batch_bytes == 0
+            || self.max_model_instances == 0
+            || self.max_instances == 0
             || self.body_timeout_secs == 0
             || self.body_min_rate == 0
             || self.grpc_max_connections == 0
@@ -528,14 +563,17 @@ impl Config {
             || self.grpc_handshake_timeout_secs == 0
             || self.metrics_interval_ms == 0
         {
-            return Err("--max-files, --intra-op-threads, --max-queue-size, \
-                 --body-timeout-secs, --body-min-rate and the --grpc-* limits and timeouts \
-                 must be at least 1 (and --metrics-interval-ms)"
-                .into());
+            return Err(
+                "--max-files, --intra-op-threads, --max-queue-size, the --max-* model \
+                 limits, --body-timeout-secs, --body-min-rate and the --grpc-* limits and \
+                 timeouts must be at least 1 (and --metrics-interval-ms)"
+                    .into(),
+            );
         }
         const DAY_SECS: u64 = 86_400;
         if self.body_timeout_secs > DAY_SECS
             || self.exit_timeout_secs > DAY_SECS
+            || self.max_queue_delay_secs > DAY_SECS
             || self.grpc_idle_timeout_secs > DAY_SECS
             || self.grpc_handshake_timeout_secs > DAY_SECS
             || self.grpc_keepalive_time > DAY_SECS * 1000
@@ -584,6 +622,14 @@ impl Config {
             repositories: self.model_repository.clone(),
             poll_interval: Duration::from_secs(self.repository_poll_secs),
             startup_models: self.load_models.clone(),
+            limits: Limits {
+                versions: self.max_model_versions,
+                batch_bytes: self.max_batch_bytes,
+                warmup_rows: self.max_warmup_rows,
+                model_instances: self.max_model_instances,
+                instances: self.max_instances,
+                queue_delay: Duration::from_secs(self.max_queue_delay_secs),
+            },
         };
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         // How fast a request body must keep arriving, on both transports.

@@ -11,7 +11,7 @@ pub use parse::{model_config_json, parse_model_config, parse_model_config_json};
 pub(crate) use spec::model_kind;
 pub use spec::{
     BatchingSpec, ClassifierSpec, EnsembleSpec, GroupKind, InstanceGroupSpec, ModelKind,
-    PreprocessorSpec, QueuePolicySpec, ResizeMode,
+    PreprocessorSpec, QueuePolicySpec, ResizeMode, MAX_TIMED_BATCH_SIZES,
 };
 
 use crate::domain::{ModelName, ModelVersion};
@@ -63,6 +63,54 @@ impl HasKind for RepositoryError {
     }
 }
 
+/// What one model's config may ask for, checked while it is validated, before anything is
+/// allocated or started: a config over a limit fails its load with the field, its value
+/// and the limit. Each is a flag (`Config`); the defaults are these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Versions served per model (`--max-model-versions`).
+    pub versions: usize,
+    /// Bytes of one batch's input: `max_batch_size` rows of the FP32 `[3, height, width]`
+    /// input (`--max-batch-bytes`). Every batch a model runs (warm-up, batch-size timing,
+    /// serving) is at most that.
+    pub batch_bytes: u64,
+    /// Rows a model's `model_warmup` samples run on each instance before it serves: each
+    /// sample's `batch_size` times its `count` (`--max-warmup-rows`).
+    pub warmup_rows: u64,
+    /// Instances (each a thread with its own copy of the model) of one model version, as
+    /// its `instance_group`s place them on this host (`--max-model-instances`). Checked
+    /// as the model starts.
+    pub model_instances: usize,
+    /// Instances of every model together, those of a model being replaced included while
+    /// it finishes its requests (`--max-instances`). Checked as a model starts.
+    pub instances: usize,
+    /// The longest a row may wait for a batch to fill, `max_queue_delay_microseconds`
+    /// (`--max-queue-delay-secs`).
+    pub queue_delay: std::time::Duration,
+}
+
+impl Limits {
+    pub const DEFAULT_VERSIONS: usize = 16;
+    pub const DEFAULT_BATCH_BYTES: u64 = 2 << 30;
+    pub const DEFAULT_WARMUP_ROWS: u64 = 4096;
+    pub const DEFAULT_MODEL_INSTANCES: usize = 32;
+    pub const DEFAULT_INSTANCES: usize = 128;
+    pub const DEFAULT_QUEUE_DELAY_SECS: u64 = 10;
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            versions: Self::DEFAULT_VERSIONS,
+            batch_bytes: Self::DEFAULT_BATCH_BYTES,
+            warmup_rows: Self::DEFAULT_WARMUP_ROWS,
+            model_instances: Self::DEFAULT_MODEL_INSTANCES,
+            instances: Self::DEFAULT_INSTANCES,
+            queue_delay: std::time::Duration::from_secs(Self::DEFAULT_QUEUE_DELAY_SECS),
+        }
+    }
+}
+
 /// A model that passed validation and can be started.
 #[derive(Debug, Clone)]
 pub struct RepositoryModel {
@@ -110,7 +158,7 @@ fn model_dirs(roots: &[PathBuf]) -> Result<Vec<(String, PathBuf)>, RepositoryErr
 /// Reads every model directory of the repositories `roots`. Only an unreadable repository
 /// is an error; a broken model becomes a [`LoadFailure`] and the rest load. A model name
 /// found in more than one repository is not served (as in Triton).
-pub fn scan(roots: &[PathBuf]) -> Result<ScanResult, RepositoryError> {
+pub fn scan(roots: &[PathBuf], limits: &Limits) -> Result<ScanResult, RepositoryError> {
     let dirs = model_dirs(roots)?;
     let mut result = ScanResult::default();
     for copies in dirs.chunk_by(|a, b| a.0 == b.0) {
@@ -125,7 +173,7 @@ pub fn scan(roots: &[PathBuf]) -> Result<ScanResult, RepositoryError> {
                 ),
             })
         } else {
-            load_model(dir, name)
+            load_model(dir, name, limits)
         };
         match loaded {
             Ok(versions) => result.models.extend(versions),
@@ -180,17 +228,24 @@ pub fn fingerprint(dir: &Path) -> u64 {
 }
 
 /// Every version of the model in `dir` that its `version_policy` serves, oldest first.
-fn load_model(dir: &Path, name: &str) -> Result<Vec<RepositoryModel>, RepositoryError> {
+fn load_model(
+    dir: &Path,
+    name: &str,
+    limits: &Limits,
+) -> Result<Vec<RepositoryModel>, RepositoryError> {
     // Before reading: a file changed while it is read shows as a change at the next poll.
     let print = fingerprint(dir);
-    let text = std::fs::read_to_string(dir.join("config.pbtxt")).map_err(|source| {
-        RepositoryError::Io {
-            path: Path::new(name).join("config.pbtxt"),
-            source,
-        }
+    let text =
+        spec::read_whole_model_file(dir, name, "config.pbtxt", "config.pbtxt", MAX_CONFIG_BYTES)?;
+    let text = String::from_utf8(text).map_err(|_| RepositoryError::Parse {
+        model: name.to_string(),
+        message: "config.pbtxt is not UTF-8 text".into(),
     })?;
-    versions(dir, name, parse_model_config(name, &text)?, print)
+    versions(dir, name, parse_model_config(name, &text)?, print, limits)
 }
+
+/// The largest `config.pbtxt` read (Triton's own are a few KiB).
+const MAX_CONFIG_BYTES: usize = 1 << 20;
 
 /// Names of the model directories in the repositories `roots` (those with a
 /// `config.pbtxt`), sorted, once each, loaded or not.
@@ -210,8 +265,9 @@ pub fn load_model_with(
     dir: &Path,
     name: &str,
     config: pb::ModelConfig,
+    limits: &Limits,
 ) -> Result<Vec<RepositoryModel>, RepositoryError> {
-    versions(dir, name, config, fingerprint(dir))
+    versions(dir, name, config, fingerprint(dir), limits)
 }
 
 fn versions(
@@ -219,6 +275,7 @@ fn versions(
     name: &str,
     mut config: pb::ModelConfig,
     print: u64,
+    limits: &Limits,
 ) -> Result<Vec<RepositoryModel>, RepositoryError> {
     if config.name.is_empty() {
         // Triton fills an omitted name from the directory.
@@ -234,13 +291,13 @@ fn versions(
         });
     }
     let available = spec::available_versions(dir, name)?;
-    spec::select_versions(name, &config, &available)?
+    spec::select_versions(name, &config, &available, limits)?
         .into_iter()
         .map(|version| {
             Ok(RepositoryModel {
                 name: ModelName::new(name),
                 dir: dir.to_path_buf(),
-                kind: spec::model_kind(dir, name, &config, version)?,
+                kind: spec::model_kind(dir, name, &config, version, limits)?,
                 config: config.clone(),
                 version,
                 fingerprint: print,

@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 use super::handle::QueuePlace;
@@ -269,14 +269,31 @@ pub(super) struct BatcherLabels {
     pub series: ModelSeries,
 }
 
+/// What the batcher hears besides jobs and idle instances.
+pub(super) struct BatcherSignals {
+    /// The model's state (a model whose instances are all down answers what waits).
+    pub state: watch::Receiver<ModelState>,
+    /// Stops the batcher: what waits is answered `Stopping`.
+    pub stop: CancellationToken,
+    /// The model is retiring: rows no longer wait for a batch to fill.
+    pub flush: CancellationToken,
+    /// Something changed that no channel says: a request left with rows still queued.
+    pub wake: Arc<Notify>,
+}
+
 pub(super) async fn run_batcher(
     labels: BatcherLabels,
     mut jobs: mpsc::Receiver<QueuedJob>,
     mut slots: mpsc::Receiver<Slot>,
-    policy: BatchPolicy,
-    mut state: watch::Receiver<ModelState>,
-    stop: CancellationToken,
+    mut policy: BatchPolicy,
+    signals: BatcherSignals,
 ) {
+    let BatcherSignals {
+        mut state,
+        stop,
+        flush,
+        wake,
+    } = signals;
     let model = labels.model.clone();
     let m = &labels.series;
     let pending_gauge = &m.pending_requests;
@@ -285,6 +302,7 @@ pub(super) async fn run_batcher(
     let mut idle: VecDeque<Slot> = VecDeque::new();
     let mut jobs_open = true;
     let mut state_open = true;
+    let mut flushing = false;
     let down = || SchedulerError::Down {
         model: model.clone(),
     };
@@ -302,9 +320,10 @@ pub(super) async fn run_batcher(
             // Expired jobs are answered even while every instance is busy.
             queue.expire(Instant::now(), &policy, &model);
         }
+        // Whatever the queue delay, and while every instance is busy. Their requests count
+        // as CANCELED where they are dropped (`Admission`).
+        queue.drop_abandoned();
         while let Some(target) = idle.front().map(|s| s.target) {
-            // Their requests count as CANCELED where they are dropped (`Admission`).
-            queue.drop_abandoned();
             let now = Instant::now();
             match decide(
                 queue.rows,
@@ -362,6 +381,12 @@ pub(super) async fn run_batcher(
                 None => jobs_open = false,
             },
             changed = state.changed(), if state_open => state_open = changed.is_ok(),
+            _ = flush.cancelled(), if !flushing => {
+                // Retiring: what is queued runs as soon as an instance is free.
+                flushing = true;
+                policy.max_queue_delay = std::time::Duration::ZERO;
+            }
+            _ = wake.notified() => {}
             _ = sleep => {}
             _ = stop.cancelled() => {
                 queue.fail_all(stopping);

@@ -39,6 +39,10 @@ pub(super) struct Inner {
     pub state: watch::Receiver<ModelState>,
     /// Stops the batcher, which ends the instance threads.
     pub stop: CancellationToken,
+    /// Cancelled as the model retires: the batcher stops holding rows for a batch to fill.
+    pub flush: CancellationToken,
+    /// Wakes the batcher: a request left with rows queued (`Reply`).
+    pub wake: Arc<Notify>,
     /// The instance threads, joined on shutdown so no libtorch module outlives the gateway
     /// (a module still being torn down while the process exits can crash it).
     pub threads: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
@@ -171,12 +175,14 @@ impl ModelHandle {
 
     /// Takes the model out of service gracefully once it is no longer in the model table:
     /// requests that resolved it just before still get in, those admitted finish (their
-    /// rows leave the queue and run), then new requests are refused and the model stops.
+    /// rows leave the queue and run at once, without waiting for a batch to fill), then new
+    /// requests are refused and the model stops.
     pub async fn retire(&self) {
         let inner = &self.inner;
         if inner.retiring.swap(true, Ordering::SeqCst) {
             return;
         }
+        inner.flush.cancel();
         // Woken by each freed place, not `acquire_many`: a waiting `acquire_many` would take
         // free places and make the late requests above look like a full queue.
         loop {

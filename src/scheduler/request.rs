@@ -358,6 +358,10 @@ impl Admission {
             }
             found
         });
+        let computed = Reply {
+            rx: Some(computed),
+            wake: inner.wake.clone(),
+        };
         if job.rows.is_empty() {
             let _ = reply.send(Ok(Vec::new()));
             return Ok(PendingRows { computed, cached });
@@ -398,19 +402,50 @@ impl Drop for Admission {
     }
 }
 
+/// Where a queued job's answer arrives. Dropped unanswered (its request left), it wakes the
+/// batcher, which drops the job's rows from the queue at once (not when a batch is next
+/// cut, which a long queue delay could put off).
+struct Reply {
+    rx: Option<oneshot::Receiver<JobResult>>,
+    wake: Arc<tokio::sync::Notify>,
+}
+
+impl Reply {
+    async fn answer(&mut self) -> Result<JobResult, oneshot::error::RecvError> {
+        let rx = self.rx.as_mut().expect("answered once");
+        let answer = rx.await;
+        self.rx = None;
+        answer
+    }
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        if let Some(rx) = self.rx.take() {
+            // Closed first, so that the woken batcher finds the job abandoned.
+            drop(rx);
+            self.wake.notify_one();
+        }
+    }
+}
+
 /// The outputs of one submitted chunk, in its row order.
 struct PendingRows {
-    computed: oneshot::Receiver<JobResult>,
+    computed: Reply,
     /// Per row of the chunk: its cached output, or `None` when the model runs it.
     cached: Option<Vec<Option<RowOutput>>>,
 }
 
 impl PendingRows {
     /// Each row's output, or the engine's failure of the batch it ran in.
-    async fn wait(self, inner: &Inner) -> Result<Vec<Result<RowOutput, BatchFailed>>, RunError> {
+    async fn wait(
+        mut self,
+        inner: &Inner,
+    ) -> Result<Vec<Result<RowOutput, BatchFailed>>, RunError> {
         let model = || inner.name.to_string();
         let computed = self
             .computed
+            .answer()
             .await
             .unwrap_or_else(|_| Err(SchedulerError::Stopping { model: model() }))
             .map_err(RunError::Scheduler)?;

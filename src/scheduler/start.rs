@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch, Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-use super::batcher::{run_batcher, BatcherLabels};
+use super::batcher::{run_batcher, BatcherLabels, BatcherSignals};
 use super::handle::Inner;
 use super::instance::{instance_loop, Ended, InstanceContext, Slot};
 use super::tuning::{self, BatchSizeChoice, Tuned};
@@ -49,6 +49,26 @@ pub struct ModelSettings {
     /// metric and the log).
     pub fallback: Option<String>,
     pub metrics: Arc<Metrics>,
+    /// Instance threads running, of every model: each of this model's counts while its
+    /// thread lives.
+    pub live_instances: Arc<AtomicUsize>,
+}
+
+/// One instance thread in `ModelSettings::live_instances`, from just before it is
+/// spawned until it ends (or fails to spawn).
+struct LiveInstance(Arc<AtomicUsize>);
+
+impl LiveInstance {
+    fn new(live: &Arc<AtomicUsize>) -> Self {
+        live.fetch_add(1, Ordering::SeqCst);
+        LiveInstance(live.clone())
+    }
+}
+
+impl Drop for LiveInstance {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Starts the instance threads and the batcher task (call inside a Tokio runtime).
@@ -104,9 +124,11 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         let tuned = tuned.clone();
         let samples = settings.warmup.clone();
         let (instances, stop) = (instances.clone(), stop.clone());
+        let live = LiveInstance::new(&settings.live_instances);
         let spawned = std::thread::Builder::new()
             .name(format!("{name}/{id}"))
             .spawn(move || {
+                let _live = live;
                 // A panic while loading (a broken device) is a failed load.
                 let start = || {
                     std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -170,6 +192,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
     }
     drop(slots_tx);
 
+    let (flush, wake) = (CancellationToken::new(), Arc::new(Notify::new()));
     tokio::spawn(run_batcher(
         BatcherLabels {
             model: name.clone(),
@@ -178,8 +201,12 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         jobs_rx,
         slots_rx,
         settings.policy.clone(),
-        state_rx.clone(),
-        stop.clone(),
+        BatcherSignals {
+            state: state_rx.clone(),
+            stop: stop.clone(),
+            flush: flush.clone(),
+            wake: wake.clone(),
+        },
     ));
     let devices = Arc::new(std::sync::Mutex::new(Vec::new()));
     let placed = devices.clone();
@@ -231,6 +258,8 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
     ModelHandle {
         inner: Arc::new(Inner {
             stop,
+            flush,
+            wake,
             threads: std::sync::Mutex::new(threads),
             last_inference_ms: Default::default(),
             retiring: Default::default(),

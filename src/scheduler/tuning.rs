@@ -52,22 +52,21 @@ fn run_warmup_samples(
     let row = ctx.height * ctx.width * 3;
     for sample in samples {
         let n = sample.batch_size;
-        let mut data = match &sample.data {
-            WarmupData::Zero => vec![0.0f32; n * row],
+        let mut data = buffer(n * row)?;
+        match &sample.data {
+            WarmupData::Zero => data.resize(n * row, 0.0),
             WarmupData::Random => {
                 // xorshift: values in [0, 1), different for each sample and row.
                 let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ (n as u64);
-                (0..n * row)
-                    .map(|_| {
-                        x ^= x << 13;
-                        x ^= x >> 7;
-                        x ^= x << 17;
-                        (x >> 40) as f32 / (1u64 << 24) as f32
-                    })
-                    .collect()
+                data.extend((0..n * row).map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (x >> 40) as f32 / (1u64 << 24) as f32
+                }));
             }
-            WarmupData::Row(values) => values.repeat(n),
-        };
+            WarmupData::Row(values) => (0..n).for_each(|_| data.extend_from_slice(values)),
+        }
         data.truncate(n * row);
         let t = Instant::now();
         for _ in 0..sample.count {
@@ -97,6 +96,20 @@ fn run_warmup_samples(
     Ok(())
 }
 
+/// An empty buffer with room for a batch of `len` values, or why there is none: the
+/// config sized it (within `--max-batch-bytes`), so running out of memory fails the load
+/// instead of aborting the process.
+fn buffer<T>(len: usize) -> Result<Vec<T>, String> {
+    let mut data = Vec::new();
+    data.try_reserve_exact(len).map_err(|e| {
+        format!(
+            "no memory for a warm-up batch of {} bytes: {e}",
+            len * std::mem::size_of::<T>()
+        )
+    })?;
+    Ok(data)
+}
+
 /// Batch sizes measured per device by one start of a model: its instances on one device
 /// share the first one's measurement. Identical instances then ask for the same size,
 /// instead of each reading its own noise, and start sooner.
@@ -120,7 +133,8 @@ fn warm_up(
     let row = ctx.height * ctx.width * 3;
     let device = engine.device();
     let mut run = |n: usize| -> Result<f64, String> {
-        let data = vec![128u8; n.max(1) * row];
+        let mut data = buffer(n.max(1) * row)?;
+        data.resize(n.max(1) * row, 128u8);
         let input = BatchInput::Images {
             data: &data,
             height: ctx.height,

@@ -1,6 +1,7 @@
 //! Starting models: classifier handles with their instances, preprocessor settings, and
 //! ensembles linked to the newest versions of their steps.
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::{ModelTable, Registry, ServedModel};
@@ -31,19 +32,24 @@ pub struct BuildOptions {
     pub dct_override: Option<u32>,
     /// `--precision`: every classifier's, instead of its config's.
     pub precision: Option<Precision>,
+    /// Instance threads running now, of every model (the `--max-instances` budget).
+    pub live_instances: Arc<AtomicUsize>,
 }
 
 impl Registry {
     /// Starts `models` (every version given) into `table`: classifiers get new handles
     /// (returned, still loading), preprocessors their settings, ensembles are recorded and
-    /// linked. Versions of a model already in `table` are replaced as a whole.
+    /// linked. Versions of a model already in `table` are replaced as a whole. A classifier
+    /// whose instances would be over a limit is not started: it is listed unavailable in
+    /// `table`, and why is returned.
     pub(super) fn start_models(
         &self,
         models: &[Arc<RepositoryModel>],
         table: &mut ModelTable,
-    ) -> Vec<ModelHandle> {
+    ) -> Started {
         let opts = &self.build;
-        let mut started = Vec::new();
+        let limits = &self.control.limits;
+        let mut started = Started::default();
         let mut names: Vec<&ModelName> = models.iter().map(|m| &m.name).collect();
         names.dedup();
         for name in names {
@@ -55,8 +61,35 @@ impl Registry {
         for m in models {
             let served = match &m.kind {
                 ModelKind::Classifier(spec) => {
-                    let (instances, fallback) =
-                        plan_instances(&spec.instance_groups, opts.gpu_count, opts.unusable_gpus);
+                    let planned = plan_instances(
+                        &spec.instance_groups,
+                        opts.gpu_count,
+                        opts.unusable_gpus,
+                        limits.model_instances,
+                    )
+                    .and_then(|(instances, fallback)| {
+                        let live = opts.live_instances.load(Ordering::SeqCst);
+                        if live + instances.len() > limits.instances {
+                            return Err(format!(
+                                "field 'instance_group': its {} instances and the {live} \
+                                 running would be more than the {} allowed in all \
+                                 (--max-instances)",
+                                instances.len(),
+                                limits.instances
+                            ));
+                        }
+                        Ok((instances, fallback))
+                    });
+                    let (instances, fallback) = match planned {
+                        Ok(planned) => planned,
+                        Err(why) => {
+                            let why = format!("model '{}' version {}: {why}", m.name, m.version);
+                            tracing::error!("{why}");
+                            table.entry_mut(&m.name).unavailable = Some(why.clone());
+                            started.refused.push(why);
+                            continue;
+                        }
+                    };
                     if let Some(w) = &fallback {
                         tracing::warn!(model = %m.name, "{w}");
                     }
@@ -74,9 +107,10 @@ impl Registry {
                         warmup: spec.warmup.clone(),
                         fallback,
                         metrics: opts.metrics.clone(),
+                        live_instances: opts.live_instances.clone(),
                     };
                     let handle = crate::scheduler::start_model(settings, opts.factory.clone());
-                    started.push(handle.clone());
+                    started.handles.push(handle.clone());
                     ServedModel::Classifier {
                         model: m.clone(),
                         handle,
@@ -97,6 +131,13 @@ impl Registry {
         link_ensembles(table);
         started
     }
+}
+
+/// What `start_models` started, and the models it refused.
+#[derive(Default)]
+pub(super) struct Started {
+    pub handles: Vec<ModelHandle>,
+    pub refused: Vec<String>,
 }
 
 /// (Re)builds every recorded ensemble on the newest versions of its steps; an ensemble
@@ -235,23 +276,20 @@ pub fn batch_size_choice(spec: &ClassifierSpec) -> BatchSizeChoice {
 /// Expands `instance_group`s into instances on the devices that exist. Triton's rules:
 /// a GPU group runs `count` instances on each listed GPU (all GPUs when none are listed);
 /// a CPU group runs `count` instances. Missing GPUs fall back (fewer GPUs, or the CPU)
-/// with one warning.
+/// with one warning. More than `max` instances in all is refused, saying how many.
 pub fn plan_instances(
     groups: &[InstanceGroupSpec],
     gpu_count: usize,
     unusable_gpus: usize,
-) -> (Vec<InstanceId>, Option<String>) {
-    let mut out = Vec::new();
+    max: usize,
+) -> Result<(Vec<InstanceId>, Option<String>), String> {
+    // First the devices of each group (each runs `count` instances), so that the total is
+    // checked before a single instance is listed.
     let mut warnings = Vec::new();
-    let mut next_index: HashMap<Option<u32>, u32> = HashMap::new();
-    let mut push = |gpu: Option<u32>, out: &mut Vec<InstanceId>| {
-        let idx = next_index.entry(gpu).or_insert(0);
-        out.push(InstanceId { gpu, index: *idx });
-        *idx += 1;
-    };
+    let mut placed: Vec<(u32, Vec<Option<u32>>)> = Vec::new();
     for g in groups {
         match g.kind {
-            GroupKind::Cpu => (0..g.count).for_each(|_| push(None, &mut out)),
+            GroupKind::Cpu => placed.push((g.count, vec![None])),
             GroupKind::Gpu | GroupKind::Auto => {
                 // KIND_GPU on a host whose GPUs CUDA cannot use is planned on them, so
                 // that its load fails with the reason; an Auto group uses the CPU.
@@ -265,10 +303,10 @@ pub fn plan_instances(
                 } else {
                     g.gpus.clone()
                 };
-                let present: Vec<u32> = wanted
+                let present: Vec<Option<u32>> = wanted
                     .iter()
-                    .copied()
-                    .filter(|&i| (i as usize) < gpu_count)
+                    .filter(|&&i| (i as usize) < gpu_count)
+                    .map(|&i| Some(i))
                     .collect();
                 if present.is_empty() {
                     if g.kind == GroupKind::Gpu {
@@ -277,22 +315,42 @@ pub fn plan_instances(
                             g.count
                         ));
                     }
-                    (0..g.count).for_each(|_| push(None, &mut out));
+                    placed.push((g.count, vec![None]));
                 } else {
                     if present.len() < wanted.len() {
+                        let present: Vec<u32> = present.iter().flatten().copied().collect();
                         warnings.push(format!(
                             "KIND_GPU asks for GPUs {wanted:?}; only {present:?} exist, using those"
                         ));
                     }
-                    for gpu in present {
-                        (0..g.count).for_each(|_| push(Some(gpu), &mut out));
-                    }
+                    placed.push((g.count, present));
                 }
             }
         }
     }
+    let total: u64 = placed
+        .iter()
+        .map(|(count, devices)| *count as u64 * devices.len() as u64)
+        .sum();
+    if total > max as u64 {
+        return Err(format!(
+            "field 'instance_group': {total} instances on this host; at most {max} are \
+             allowed per model (--max-model-instances)"
+        ));
+    }
+    let mut out = Vec::new();
+    let mut next_index: HashMap<Option<u32>, u32> = HashMap::new();
+    for (count, devices) in placed {
+        for gpu in devices {
+            for _ in 0..count {
+                let index = next_index.entry(gpu).or_insert(0);
+                out.push(InstanceId { gpu, index: *index });
+                *index += 1;
+            }
+        }
+    }
     let warning = (!warnings.is_empty()).then(|| warnings.join("; "));
-    (out, warning)
+    Ok((out, warning))
 }
 
 #[cfg(test)]
@@ -309,7 +367,7 @@ mod tests {
 
     #[test]
     fn gpu_groups_run_count_per_gpu() {
-        let (ids, warn) = plan_instances(&[gpu_group(2, &[0, 1])], 2, 0);
+        let (ids, warn) = plan_instances(&[gpu_group(2, &[0, 1])], 2, 0, 8).unwrap();
         assert!(warn.is_none());
         let gpus: Vec<_> = ids.iter().map(|i| (i.gpu, i.index)).collect();
         assert_eq!(
@@ -320,12 +378,12 @@ mod tests {
 
     #[test]
     fn missing_gpus_fall_back_with_one_warning() {
-        let (ids, warn) = plan_instances(&[gpu_group(2, &[0, 1])], 1, 0);
+        let (ids, warn) = plan_instances(&[gpu_group(2, &[0, 1])], 1, 0, 8).unwrap();
         assert_eq!(ids.len(), 2);
         assert!(ids.iter().all(|i| i.gpu == Some(0)));
         assert!(warn.unwrap().contains("only [0]"));
 
-        let (ids, warn) = plan_instances(&[gpu_group(2, &[0, 1])], 0, 0);
+        let (ids, warn) = plan_instances(&[gpu_group(2, &[0, 1])], 0, 0, 8).unwrap();
         assert_eq!(
             ids,
             vec![
@@ -349,13 +407,31 @@ mod tests {
             count: 1,
             gpus: vec![],
         };
-        let (ids, warn) = plan_instances(std::slice::from_ref(&g), 0, 0);
+        let (ids, warn) = plan_instances(std::slice::from_ref(&g), 0, 0, 8).unwrap();
         assert_eq!(ids.len(), 1);
         assert!(warn.is_none());
         // Where CUDA cannot start, an Auto group still uses the CPU; KIND_GPU does not.
-        let (ids, _) = plan_instances(std::slice::from_ref(&g), 0, 1);
+        let (ids, _) = plan_instances(std::slice::from_ref(&g), 0, 1, 8).unwrap();
         assert_eq!(ids[0].gpu, None);
-        let (ids, _) = plan_instances(&[gpu_group(1, &[])], 0, 1);
+        let (ids, _) = plan_instances(&[gpu_group(1, &[])], 0, 1, 8).unwrap();
         assert_eq!(ids[0].gpu, Some(0));
+    }
+
+    #[test]
+    fn more_instances_than_the_limit_are_refused_before_any_is_planned() {
+        let cpu = InstanceGroupSpec {
+            kind: GroupKind::Cpu,
+            count: u32::MAX,
+            gpus: vec![],
+        };
+        let e = plan_instances(std::slice::from_ref(&cpu), 0, 0, 32).unwrap_err();
+        assert!(
+            e.contains("4294967295 instances") && e.contains("--max-model-instances"),
+            "{e}"
+        );
+        // Per listed GPU, and on every GPU when none are listed.
+        assert!(plan_instances(&[gpu_group(16, &[0, 1])], 2, 0, 32).is_ok());
+        assert!(plan_instances(&[gpu_group(17, &[0, 1])], 2, 0, 32).is_err());
+        assert!(plan_instances(&[gpu_group(9, &[])], 4, 0, 32).is_err());
     }
 }

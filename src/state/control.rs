@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::build::link_ensembles;
+use super::build::{link_ensembles, Started};
 use super::restrict::{Endpoint, Restrictions};
 use super::{ModelTable, Registry};
 use crate::domain::ModelName;
@@ -35,6 +35,8 @@ pub struct ControlSettings {
     pub poll_interval: Duration,
     /// Models loaded at start-up in explicit mode (`*`: all).
     pub startup_models: Vec<String>,
+    /// What a model's config may ask for.
+    pub limits: repository::Limits,
 }
 
 /// A load or unload request parameter, as both transports carry them.
@@ -129,6 +131,7 @@ impl Registry {
         models.sort_by(|a, b| (&a.name, a.version).cmp(&(&b.name, b.version)));
         models.dedup_by(|a, b| a.name == b.name && a.version == b.version);
         let models: Vec<Arc<RepositoryModel>> = models.into_iter().map(Arc::new).collect();
+        // A model refused there is listed unavailable.
         self.start_models(&models, &mut table);
         self.record_fingerprints(&models, &mut table);
         table
@@ -168,10 +171,10 @@ impl Registry {
     /// old ones still do.
     pub async fn load_model(&self, name: &str, config: Option<String>) -> Result<(), GatewayError> {
         ModelName::check(name).map_err(GatewayError::invalid)?;
-        let roots = self.control.repositories.clone();
+        let (roots, limits) = (self.control.repositories.clone(), self.control.limits);
         let model = name.to_string();
         let scan = tokio::task::spawn_blocking(move || {
-            let mut scan = repository::scan(&roots)?;
+            let mut scan = repository::scan(&roots, &limits)?;
             if let Some(json) = config {
                 let Some(dir) = repository::model_dir(&roots, &model) else {
                     return Err(GatewayError::invalid(format!(
@@ -179,7 +182,7 @@ impl Registry {
                     )));
                 };
                 let versions = repository::parse_model_config_json(&model, &json)
-                    .and_then(|c| repository::load_model_with(&dir, &model, c))
+                    .and_then(|c| repository::load_model_with(&dir, &model, c, &limits))
                     .map_err(|e| GatewayError::invalid(e.to_string()))?;
                 scan.models.retain(|m| m.name.as_str() != model);
                 scan.failures.retain(|f| f.model != model);
@@ -232,14 +235,18 @@ impl Registry {
         let mut table = current.clone();
         // Stopped again unless swapped in, also when this future is dropped (a client
         // that left, a deadline): no started model is left running outside the table.
+        let Started { handles, refused } = self.start_models(models, &mut table);
         let mut started = Starting {
             registry: self,
-            handles: self.start_models(models, &mut table),
+            handles,
         };
-        let mut failures = Vec::new();
-        for handle in &started.handles {
-            if let ModelState::Failed(why) = handle.wait_loaded().await {
-                failures.push(format!("'{}': {why}", handle.name()));
+        // A refused model fails the load at once; the others started stop again.
+        let mut failures = refused;
+        if failures.is_empty() {
+            for handle in &started.handles {
+                if let ModelState::Failed(why) = handle.wait_loaded().await {
+                    failures.push(format!("'{}': {why}", handle.name()));
+                }
             }
         }
         if !failures.is_empty() {
@@ -301,12 +308,13 @@ impl Registry {
     /// One poll: reloads the models whose files changed, loads new ones, unloads the
     /// ones gone from the repository. Errors are logged; serving models keep serving.
     pub async fn poll_repository(&self) {
-        let roots = self.control.repositories.clone();
-        let scan = match tokio::task::spawn_blocking(move || repository::scan(&roots)).await {
-            Ok(Ok(scan)) => scan,
-            Ok(Err(e)) => return tracing::error!("repository poll failed: {e}"),
-            Err(e) => return tracing::error!("repository poll failed: {e}"),
-        };
+        let (roots, limits) = (self.control.repositories.clone(), self.control.limits);
+        let scan =
+            match tokio::task::spawn_blocking(move || repository::scan(&roots, &limits)).await {
+                Ok(Ok(scan)) => scan,
+                Ok(Err(e)) => return tracing::error!("repository poll failed: {e}"),
+                Err(e) => return tracing::error!("repository poll failed: {e}"),
+            };
         let mut prints: Vec<(ModelName, u64)> = scan
             .models
             .iter()

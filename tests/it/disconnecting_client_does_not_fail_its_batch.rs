@@ -12,11 +12,12 @@ const CANCELED: [&str; 2] = ["model=\"classifier\"", "reason=\"CANCELED\""];
 #[tokio::test(flavor = "multi_thread")]
 async fn disconnecting_clients_do_not_fail_the_requests_they_wait_or_run_with() {
     let mut config = Config::for_tests();
-    // Batches of 4 rows, cut only once 4 are there (the delay is far beyond the test).
+    // Batches of 4 rows, cut only once 4 are there (the delay, the longest allowed, is far
+    // beyond the test).
     config.model_repository = vec![temp_repository("disconnect", |m, t| {
         with_preferred(m, t, "[ 4 ]").replace(
             "max_queue_delay_microseconds: 2000",
-            "max_queue_delay_microseconds: 60000000",
+            "max_queue_delay_microseconds: 10000000",
         )
     })];
     let (gw, faults) = TestGateway::start_gated(config).await;
@@ -33,11 +34,12 @@ async fn disconnecting_clients_do_not_fail_the_requests_they_wait_or_run_with() 
     gw.wait_for_metric("nv_inference_request_failure", &CANCELED, 1.0)
         .await;
 
-    // 2. Running: d and e join a and c in the next batch (b's row leaves the queue when
-    // an instance is free to take it); e goes away while it runs.
+    // 2. Running: d and e join a and c in the next batch (b's row left the queue as its
+    // client went); e goes away while it runs.
+    gw.wait_for_queued(2).await;
     let d = spawn_predict(&gw, "", 4);
     let e = spawn_predict(&gw, "", 5);
-    gw.wait_for_queued(5).await;
+    gw.wait_for_queued(4).await;
     gate.let_through(2);
     let batches = gate.held(3).await;
     let mut shared = batches[2].clone();

@@ -12,6 +12,7 @@ mod common;
 mod batching_keeps_each_request_its_own_rows;
 mod disconnecting_client_does_not_fail_its_batch;
 mod engine_faults_fail_only_their_batch;
+#[cfg(feature = "torch")]
 mod engine_matches_a_plain_libtorch_forward;
 mod error_contract_is_pinned;
 mod every_route_answers_its_restriction;
@@ -19,6 +20,7 @@ mod full_queue_answers_503_with_retry_after;
 mod higher_priority_requests_run_first;
 mod kserve_unusable_image_fails_its_request;
 mod metrics_use_triton_names;
+mod model_configs_cannot_take_the_server_down;
 mod model_warmup_runs_before_ready;
 mod openapi_document_matches_the_code;
 mod predict_bad_files_get_error_entries;

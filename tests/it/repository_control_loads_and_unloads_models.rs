@@ -315,8 +315,7 @@ fn two_version_repository(tag: &str) -> std::path::PathBuf {
     });
     let cls = repo.join("classifier");
     std::fs::create_dir_all(cls.join("2")).unwrap();
-    let model = std::fs::read_link(cls.join("1/model.pt")).unwrap();
-    std::os::unix::fs::symlink(model, cls.join("2/model.pt")).unwrap();
+    common::link_file(&cls.join("1/model.pt"), &cls.join("2/model.pt"));
     repo
 }
 
@@ -409,8 +408,10 @@ async fn failed_reload_keeps_the_previous_version_serving() {
 
     // Once version 2 is fixed, the same request swaps it in.
     std::fs::remove_file(repo.join("classifier/2/model.pt")).unwrap();
-    let model = std::fs::read_link(repo.join("classifier/1/model.pt")).unwrap();
-    std::os::unix::fs::symlink(model, repo.join("classifier/2/model.pt")).unwrap();
+    common::link_file(
+        &repo.join("classifier/1/model.pt"),
+        &repo.join("classifier/2/model.pt"),
+    );
     let (status, body) = gw.admin("classifier", "load", json!({})).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(
@@ -545,8 +546,10 @@ async fn poll_mode_follows_the_repository() {
     )
     .unwrap();
     std::fs::copy(repo.join("classifier/labels.txt"), copy.join("labels.txt")).unwrap();
-    let model = std::fs::read_link(repo.join("classifier/1/model.pt")).unwrap();
-    std::os::unix::fs::symlink(model, copy.join("1/model.pt")).unwrap();
+    common::link_file(
+        &repo.join("classifier/1/model.pt"),
+        &copy.join("1/model.pt"),
+    );
     wait_for("new model", "/v2/models/classifier_copy/ready", |s, _| {
         s == 200
     })

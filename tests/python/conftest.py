@@ -28,6 +28,15 @@ def require_tool(name):
     pytest.skip(f"not run: needs {name} (scripts/setup.sh installs it)")
 
 
+def link_file(source, target):
+    """`target` as a second name of the file `source` (a copy across file systems): a
+    model reads only regular files inside its directory, never a symlink out of it."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from conftest import PHOTOS, ROOT, Server
+from conftest import PHOTOS, ROOT, Server, link_file
 
 GUIDE = ROOT / "docs" / "migrating-from-fastapi-triton.md"
 EXAMPLE = ROOT / "examples" / "fastapi-triton"
@@ -32,7 +32,7 @@ def test_the_migration_guide_works_as_written(tmp_path, all_photos):
     # The stack before: its repository, with the model `make setup` exported as model.pt.
     models = tmp_path / "models"
     shutil.copytree(EXAMPLE / "models", models, symlinks=False)
-    (models / "resnet_classifier" / "1" / "model.pt").symlink_to(ROOT / "models" / "classifier" / "1" / "model.pt")
+    link_file(ROOT / "models" / "classifier" / "1" / "model.pt", models / "resnet_classifier" / "1" / "model.pt")
 
     # Step 1: the preprocessor's config.pbtxt replaced by the guide's.
     (models / "preprocessor" / "config.pbtxt").write_text(guide_block("<!-- the new preprocessor config.pbtxt -->"))

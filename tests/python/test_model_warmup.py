@@ -5,7 +5,7 @@ import re
 
 import requests
 
-from conftest import ROOT, Server
+from conftest import ROOT, Server, link_file
 
 WARMUP = """
 model_warmup [
@@ -32,8 +32,8 @@ def test_a_classifier_with_tritons_model_warmup_block_serves(server, all_photos,
     (classifier / "1").mkdir(parents=True)
     bundled = ROOT / "models"
     (classifier / "config.pbtxt").write_text((bundled / "classifier" / "config.pbtxt").read_text() + WARMUP)
-    (classifier / "labels.txt").symlink_to(bundled / "classifier" / "labels.txt")
-    (classifier / "1" / "model.pt").symlink_to(bundled / "classifier" / "1" / "model.pt")
+    link_file(bundled / "classifier" / "labels.txt", classifier / "labels.txt")
+    link_file(bundled / "classifier" / "1" / "model.pt", classifier / "1" / "model.pt")
     for m in ("preprocessor", "ensemble_model"):
         (repo / m).symlink_to(bundled / m)
 

@@ -18,7 +18,7 @@ import pytest
 import requests
 
 import reference
-from conftest import PHOTOS, ROOT, Server
+from conftest import PHOTOS, ROOT, Server, link_file
 
 NEAR_TIE = 0.02
 
@@ -73,7 +73,7 @@ def bf16_repository(tmp_path):
     repo = tmp_path / "models"
     shutil.copytree(ROOT / "models", repo, ignore=shutil.ignore_patterns("model.pt"))
     model = ROOT / "models" / "classifier" / "1" / "model.pt"
-    (repo / "classifier" / "1" / "model.pt").symlink_to(model)
+    link_file(model, repo / "classifier" / "1" / "model.pt")
     config = repo / "classifier" / "config.pbtxt"
     config.write_text(
         config.read_text() + '\nparameters { key: "precision" value: { string_value: "bf16" } }\n'

@@ -5,15 +5,19 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::scheduling::{batching, instance_groups};
-use super::{exactly_one, file_in, invalid, unsupported, ClassifierSpec};
+use super::{
+    exactly_one, invalid, model_file, read_model_file, read_whole_model_file, unsupported,
+    ClassifierSpec,
+};
 use crate::domain::{ModelVersion, Precision, WarmupData, WarmupSample};
-use crate::repository::{pb, RepositoryError};
+use crate::repository::{pb, Limits, RepositoryError};
 
 pub(super) fn classifier(
     dir: &Path,
     model: &str,
     c: &pb::ModelConfig,
     version: ModelVersion,
+    limits: &Limits,
 ) -> Result<ClassifierSpec, RepositoryError> {
     if c.max_batch_size < 1 {
         return Err(invalid(
@@ -68,6 +72,30 @@ pub(super) fn classifier(
             ),
         ));
     }
+    // The input a batch of `max_batch_size` rows needs, in u128: dims are i64.
+    let row_bytes = 3 * height as u128 * width as u128 * 4;
+    let batch_bytes = row_bytes * c.max_batch_size as u128;
+    if batch_bytes > limits.batch_bytes as u128 {
+        return Err(invalid(
+            model,
+            "max_batch_size",
+            format!(
+                "a batch of {} rows of FP32 [3, {height}, {width}] is {batch_bytes} bytes; at \
+                 most {} are allowed (--max-batch-bytes)",
+                c.max_batch_size, limits.batch_bytes
+            ),
+        ));
+    }
+    if output.dims[0] > MAX_CLASSES {
+        return Err(invalid(
+            model,
+            "output.dims",
+            format!(
+                "{} classes; at most {MAX_CLASSES} are served",
+                output.dims[0]
+            ),
+        ));
+    }
     let num_classes = output.dims[0] as usize;
     let labels = if output.label_filename.is_empty() {
         None
@@ -86,13 +114,14 @@ pub(super) fn classifier(
         c.default_model_filename.as_str()
     };
     let version_dir = version.to_string();
-    let model_file = file_in(
-        &dir.join(&version_dir),
+    let Some(model_file) = model_file(
+        dir,
+        &version_dir,
         model,
         "default_model_filename",
         file_name,
-    )?;
-    if !model_file.is_file() {
+    )?
+    else {
         return Err(invalid(
             model,
             "default_model_filename",
@@ -102,7 +131,7 @@ pub(super) fn classifier(
                 Path::new(model).join(version_dir).join(file_name).display()
             ),
         ));
-    }
+    };
 
     Ok(ClassifierSpec {
         model_file,
@@ -114,9 +143,9 @@ pub(super) fn classifier(
         num_classes,
         labels,
         instance_groups: instance_groups(model, c)?,
-        batching: batching(model, c)?,
+        batching: batching(model, c, limits)?,
         response_cache: c.response_cache.as_ref().is_some_and(|r| r.enable),
-        warmup: warmup(dir, model, c, input)?,
+        warmup: warmup(dir, model, c, input, limits)?,
         precision: precision(model, c)?,
     })
 }
@@ -148,10 +177,13 @@ fn warmup(
     model: &str,
     c: &pb::ModelConfig,
     input: &pb::ModelInput,
+    limits: &Limits,
 ) -> Result<Vec<WarmupSample>, RepositoryError> {
     use pb::model_warmup::input::InputDataType;
+    // The caller checked the dims: [3, height, width], a batch of them within the limit.
     let row: usize = input.dims.iter().product::<i64>() as usize;
     let mut samples = Vec::new();
+    let mut rows: u64 = 0;
     for (i, w) in c.model_warmup.iter().enumerate() {
         let field = format!("model_warmup[{i}] '{}'", w.name);
         let bad = |message: String| invalid(model, &field, message);
@@ -191,21 +223,9 @@ fn warmup(
             Some(InputDataType::RandomData(_)) => WarmupData::Random,
             Some(InputDataType::InputDataFile(file)) => {
                 let field = format!("{field}.input_data_file");
-                let path = file_in(&dir.join("warmup"), model, &field, file)?;
                 let shown = Path::new(model).join("warmup").join(file);
-                let io = |source| RepositoryError::Io {
-                    path: shown.clone(),
-                    source,
-                };
-                let mut bytes = Vec::with_capacity(row * 4);
-                std::io::Read::read_to_end(
-                    &mut std::io::Read::take(
-                        std::fs::File::open(&path).map_err(io)?,
-                        (row * 4) as u64,
-                    ),
-                    &mut bytes,
-                )
-                .map_err(io)?;
+                // Only its first row is read; what follows may be longer.
+                let (bytes, _) = read_model_file(dir, "warmup", model, &field, file, row * 4)?;
                 if bytes.len() < row * 4 {
                     return Err(bad(format!(
                         "{} has {} bytes; one row of FP32 {:?} needs {}",
@@ -222,18 +242,33 @@ fn warmup(
                 WarmupData::Row(Arc::new(values))
             }
         };
+        // Triton runs a sample with count 0 once.
+        let count = w.count.max(1);
+        rows += w.batch_size as u64 * count as u64;
+        if rows > limits.warmup_rows {
+            return Err(bad(format!(
+                "the samples up to this one run {rows} rows on each instance (batch_size \
+                 times count); at most {} are allowed (--max-warmup-rows)",
+                limits.warmup_rows
+            )));
+        }
         if w.batch_size > 0 {
             samples.push(WarmupSample {
                 name: w.name.clone(),
                 batch_size: w.batch_size as usize,
-                // Triton runs a sample with count 0 once.
-                count: w.count.max(1) as usize,
+                count: count as usize,
                 data,
             });
         }
     }
     Ok(samples)
 }
+
+/// The most classes a classifier's output may have.
+const MAX_CLASSES: i64 = 1 << 20;
+
+/// The longest line a labels file may average (a label is a few words).
+const MAX_LABEL_BYTES: usize = 1024;
 
 fn read_labels(
     dir: &Path,
@@ -243,12 +278,15 @@ fn read_labels(
 ) -> Result<Vec<String>, RepositoryError> {
     let field = "output.label_filename";
     let shown = Path::new(model).join(file);
-    let text = std::fs::read_to_string(file_in(dir, model, field, file)?).map_err(|source| {
-        RepositoryError::Io {
-            path: shown.clone(),
-            source,
-        }
-    })?;
+    let max = num_classes * MAX_LABEL_BYTES;
+    let text =
+        String::from_utf8(read_whole_model_file(dir, model, field, file, max)?).map_err(|_| {
+            invalid(
+                model,
+                field,
+                format!("{} is not UTF-8 text", shown.display()),
+            )
+        })?;
     let labels: Vec<String> = text.lines().map(|l| l.trim_end().to_string()).collect();
     if labels.len() != num_classes {
         return Err(invalid(

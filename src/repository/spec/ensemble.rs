@@ -135,7 +135,7 @@ mod tests {
     use std::path::Path;
 
     use super::super::test_support::{temp_repo, write};
-    use crate::repository::scan;
+    use crate::repository::{scan, Limits};
 
     #[test]
     fn ensemble_of_a_missing_step_fails_with_the_reason() {
@@ -146,7 +146,7 @@ mod tests {
         .unwrap();
         write(&root, "ensemble_model/config.pbtxt", &ens);
         std::fs::create_dir_all(root.join("ensemble_model/1")).unwrap();
-        let r = scan(std::slice::from_ref(&root)).unwrap();
+        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
         let msg = r.failures[0].error.to_string();
         assert!(msg.contains("no model 'preprocessor'"), "{msg}");
     }

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::pb::{self, model_config::SchedulingChoice};
-use super::RepositoryError;
+use super::{Limits, RepositoryError};
 use crate::domain::{
     ModelName, ModelVersion, Normalize, Precision, ResizeFilter, TimeoutAction, WarmupSample,
 };
@@ -29,6 +29,7 @@ use ensemble::ensemble;
 use preprocessor::preprocessor;
 
 pub(super) use ensemble::check_ensembles;
+pub use scheduling::MAX_TIMED_BATCH_SIZES;
 pub(super) use versions::{available_versions, select_versions};
 
 /// Platform of TorchScript models, as Triton names it.
@@ -170,13 +171,14 @@ pub(crate) fn model_kind(
     model: &str,
     config: &pb::ModelConfig,
     version: ModelVersion,
+    limits: &Limits,
 ) -> Result<ModelKind, RepositoryError> {
     reject_unsupported_common(model, config)?;
     let platform = config.platform.as_str();
     let backend = config.backend.as_str();
     match (platform, backend) {
         (PLATFORM_LIBTORCH, "" | "pytorch") | ("", "pytorch") => {
-            classifier(dir, model, config, version).map(ModelKind::Classifier)
+            classifier(dir, model, config, version, limits).map(ModelKind::Classifier)
         }
         (PLATFORM_ENSEMBLE, "") => {
             refuse_response_cache(model, config)?;
@@ -200,7 +202,7 @@ pub(crate) fn model_kind(
                      classifier's model_warmup runs before it serves)",
                 ));
             }
-            preprocessor(model, config).map(ModelKind::Preprocessor)
+            preprocessor(model, config, limits).map(ModelKind::Preprocessor)
         }
         ("", "python") => Err(unsupported(
             model,
@@ -295,15 +297,24 @@ fn reject_unsupported_common(model: &str, c: &pb::ModelConfig) -> Result<(), Rep
     Ok(())
 }
 
-/// The file `name` that a config's `field` names, inside `dir` (the model's directory or
-/// a version's), or why it is refused: only a relative path that stays inside is taken.
-fn file_in(dir: &Path, model: &str, field: &str, name: &str) -> Result<PathBuf, RepositoryError> {
+/// The file `name` (relative to `sub`, a directory of the model: `""`, `"1"`, `"warmup"`)
+/// that a config's `field` names, as every file a model is read from must be: a relative
+/// path without `..` that, once its symlinks are resolved, is a regular file inside the
+/// model's directory `dir` (a FIFO or device would block the read, and a link out of the
+/// directory would read another's file). `Ok(None)`: there is no such file.
+fn model_file(
+    dir: &Path,
+    sub: &str,
+    model: &str,
+    field: &str,
+    name: &str,
+) -> Result<Option<PathBuf>, RepositoryError> {
     let path = Path::new(name);
-    let inside = !name.is_empty()
+    let relative = !name.is_empty()
         && path
             .components()
             .all(|c| matches!(c, std::path::Component::Normal(_)));
-    if !inside {
+    if !relative {
         return Err(invalid(
             model,
             field,
@@ -313,7 +324,98 @@ fn file_in(dir: &Path, model: &str, field: &str, name: &str) -> Result<PathBuf, 
             ),
         ));
     }
-    Ok(dir.join(path))
+    let shown = Path::new(model).join(sub).join(path);
+    let io = |source| RepositoryError::Io {
+        path: shown.clone(),
+        source,
+    };
+    let resolved = match dir.join(sub).join(path).canonicalize() {
+        Ok(p) => p,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io(e)),
+    };
+    if !resolved.starts_with(dir.canonicalize().map_err(io)?) {
+        return Err(invalid(
+            model,
+            field,
+            format!(
+                "{} leads out of the model's directory; put the file itself there",
+                shown.display()
+            ),
+        ));
+    }
+    let kind = std::fs::metadata(&resolved).map_err(io)?.file_type();
+    if !kind.is_file() {
+        return Err(invalid(
+            model,
+            field,
+            format!("{} is not a regular file", shown.display()),
+        ));
+    }
+    Ok(Some(resolved))
+}
+
+/// The first `max` bytes of the file `name` in the directory `sub` of model `model` (in
+/// `dir`), a [`model_file`] (a missing one is an I/O error naming it), and whether the file
+/// goes on past them. Opened without blocking and checked again once open, so a file
+/// swapped for a FIFO since cannot hold the read.
+pub(in crate::repository) fn read_model_file(
+    dir: &Path,
+    sub: &str,
+    model: &str,
+    field: &str,
+    name: &str,
+    max: usize,
+) -> Result<(Vec<u8>, bool), RepositoryError> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let shown = Path::new(model).join(sub).join(name);
+    let io = |source| RepositoryError::Io {
+        path: shown.clone(),
+        source,
+    };
+    let path = model_file(dir, sub, model, field, name)?
+        .ok_or_else(|| io(std::io::ErrorKind::NotFound.into()))?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(&path)
+        .map_err(io)?;
+    if !file.metadata().map_err(io)?.file_type().is_file() {
+        return Err(invalid(
+            model,
+            field,
+            format!("{} is not a regular file", shown.display()),
+        ));
+    }
+    let mut bytes = Vec::new();
+    file.take(max as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io)?;
+    let more = bytes.len() > max;
+    bytes.truncate(max);
+    Ok((bytes, more))
+}
+
+/// [`read_model_file`], refusing a file longer than `max` bytes.
+pub(in crate::repository) fn read_whole_model_file(
+    dir: &Path,
+    model: &str,
+    field: &str,
+    name: &str,
+    max: usize,
+) -> Result<Vec<u8>, RepositoryError> {
+    match read_model_file(dir, "", model, field, name, max)? {
+        (bytes, false) => Ok(bytes),
+        (_, true) => Err(invalid(
+            model,
+            field,
+            format!(
+                "{} is larger than {max} bytes",
+                Path::new(model).join(name).display()
+            ),
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -325,7 +427,7 @@ mod tests {
     #[test]
     fn the_bundled_repository_loads_all_three_models() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("models");
-        let r = scan(std::slice::from_ref(&root)).unwrap();
+        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
         let names: Vec<_> = r.models.iter().map(|m| m.name.to_string()).collect();
         let failures: Vec<_> = r.failures.iter().map(|f| f.error.to_string()).collect();
         assert_eq!(
@@ -379,7 +481,7 @@ mod tests {
             "cls/1/model.pt",
             "not really torchscript; loading is the engine's job",
         );
-        let r = scan(std::slice::from_ref(&root)).unwrap();
+        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
         assert_eq!(r.models.len(), 1, "{:?}", r.failures);
         assert_eq!(r.models[0].name.as_str(), "cls");
         let msg = r.failures[0].error.to_string();
@@ -403,7 +505,7 @@ mod tests {
         write(&root, "nofile/config.pbtxt", CLASSIFIER);
         write(&root, "nofile/labels.txt", "a\nb\n");
         std::fs::create_dir_all(root.join("nofile/1")).unwrap();
-        let r = scan(std::slice::from_ref(&root)).unwrap();
+        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
         assert!(r.models.is_empty());
         let msg = |m: &str| failure_of(&r, m);
         assert!(msg("seq").contains("sequence_batching"), "{}", msg("seq"));
@@ -417,5 +519,36 @@ mod tests {
             "{}",
             msg("nofile")
         );
+    }
+
+    #[test]
+    fn model_files_are_regular_files_inside_the_model_directory() {
+        let root = temp_repo("files");
+        let outside = root.join("elsewhere.txt");
+        std::fs::write(&outside, "a\nb\n").unwrap();
+        for model in ["inside", "outside"] {
+            write(&root, &format!("{model}/config.pbtxt"), CLASSIFIER);
+            write(&root, &format!("{model}/1/model.pt"), "x");
+            write(&root, &format!("{model}/data/labels.txt"), "a\nb\n");
+            let target = match model {
+                "inside" => root.join("inside/data/labels.txt"),
+                _ => outside.clone(),
+            };
+            std::os::unix::fs::symlink(target, root.join(model).join("labels.txt")).unwrap();
+        }
+        // A directory where the model file should be.
+        write(&root, "dir/config.pbtxt", CLASSIFIER);
+        write(&root, "dir/labels.txt", "a\nb\n");
+        std::fs::create_dir_all(root.join("dir/1/model.pt")).unwrap();
+        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
+        let names: Vec<_> = r.models.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["inside"], "{:?}", r.failures);
+        let msg = failure_of(&r, "outside");
+        assert!(
+            msg.contains("output.label_filename") && msg.contains("out of the model's directory"),
+            "{msg}"
+        );
+        let msg = failure_of(&r, "dir");
+        assert!(msg.contains("1/model.pt is not a regular file"), "{msg}");
     }
 }

@@ -3,11 +3,12 @@
 
 use super::{exactly_one, invalid, unsupported, PreprocessorSpec, ResizeMode};
 use crate::domain::{Normalize, ResizeFilter};
-use crate::repository::{pb, RepositoryError};
+use crate::repository::{pb, Limits, RepositoryError};
 
 pub(super) fn preprocessor(
     model: &str,
     c: &pb::ModelConfig,
+    limits: &Limits,
 ) -> Result<PreprocessorSpec, RepositoryError> {
     let input = exactly_one(&c.input, || {
         invalid(
@@ -73,6 +74,18 @@ pub(super) fn preprocessor(
             model,
             "parameters[width/height]",
             "must be positive",
+        ));
+    }
+    let image_bytes = 3 * width as u64 * height as u64 * 4;
+    if image_bytes > limits.batch_bytes {
+        return Err(invalid(
+            model,
+            "parameters[width/height]",
+            format!(
+                "an FP32 [3, {height}, {width}] image is {image_bytes} bytes; at most {} are \
+                 allowed in a batch (--max-batch-bytes)",
+                limits.batch_bytes
+            ),
         ));
     }
     let resize = match param("resize_mode").unwrap_or("stretch") {
@@ -145,7 +158,7 @@ mod tests {
     use super::super::test_support::{failure_of, temp_repo, write};
     use super::super::ModelKind;
     use super::*;
-    use crate::repository::scan;
+    use crate::repository::{scan, Limits};
 
     #[test]
     fn preprocessor_parameters_are_checked() {
@@ -177,7 +190,7 @@ mod tests {
         for m in ["p1", "p2", "p3", "p4"] {
             std::fs::create_dir_all(root.join(m).join("1")).unwrap();
         }
-        let r = scan(std::slice::from_ref(&root)).unwrap();
+        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
         let msg = |m: &str| failure_of(&r, m);
         assert!(msg("p1").contains("parameters[std]"), "{}", msg("p1"));
         assert!(msg("p2").contains("letterbox"), "{}", msg("p2"));

@@ -6,7 +6,16 @@ use std::time::Duration;
 use super::{invalid, unsupported, BatchingSpec, GroupKind, InstanceGroupSpec, QueuePolicySpec};
 use crate::domain::TimeoutAction;
 use crate::repository::pb::{self, model_config::SchedulingChoice};
-use crate::repository::RepositoryError;
+use crate::repository::{Limits, RepositoryError};
+
+/// The most batch sizes each instance times at warm-up (`preferred_batch_size`).
+pub const MAX_TIMED_BATCH_SIZES: usize = 16;
+
+/// The most priority levels a model's queue has (`priority_levels`).
+const MAX_PRIORITY_LEVELS: u64 = 64;
+
+/// The most requests one priority level's queue may hold (`max_queue_size`).
+const MAX_QUEUE_SIZE: u32 = 1 << 20;
 
 pub(super) fn instance_groups(
     model: &str,
@@ -78,6 +87,7 @@ pub(super) fn instance_groups(
 pub(super) fn batching(
     model: &str,
     c: &pb::ModelConfig,
+    limits: &Limits,
 ) -> Result<Option<BatchingSpec>, RepositoryError> {
     let Some(SchedulingChoice::DynamicBatching(d)) = &c.scheduling_choice else {
         return Ok(None);
@@ -96,6 +106,38 @@ pub(super) fn batching(
     }
     preferred.sort_unstable();
     preferred.dedup();
+    if preferred.len() > MAX_TIMED_BATCH_SIZES {
+        return Err(invalid(
+            model,
+            "dynamic_batching.preferred_batch_size",
+            format!(
+                "{} sizes; each instance times them at warm-up, at most \
+                 {MAX_TIMED_BATCH_SIZES}",
+                preferred.len()
+            ),
+        ));
+    }
+    let delay = Duration::from_micros(d.max_queue_delay_microseconds);
+    if delay > limits.queue_delay {
+        return Err(invalid(
+            model,
+            "dynamic_batching.max_queue_delay_microseconds",
+            format!(
+                "{} holds a row for a batch longer than the most allowed, {} \
+                 (--max-queue-delay-secs {})",
+                d.max_queue_delay_microseconds,
+                limits.queue_delay.as_micros(),
+                limits.queue_delay.as_secs()
+            ),
+        ));
+    }
+    if d.priority_levels > MAX_PRIORITY_LEVELS {
+        return Err(invalid(
+            model,
+            "dynamic_batching.priority_levels",
+            format!("{}; at most {MAX_PRIORITY_LEVELS}", d.priority_levels),
+        ));
+    }
     let levels = d.priority_levels as usize;
     let default_policy = queue_policy(
         model,
@@ -136,7 +178,7 @@ pub(super) fn batching(
     };
     Ok(Some(BatchingSpec {
         preferred_batch_sizes: preferred,
-        max_queue_delay: Duration::from_micros(d.max_queue_delay_microseconds),
+        max_queue_delay: delay,
         queues,
         default_level,
     }))
@@ -166,6 +208,13 @@ fn queue_policy(
             ))
         }
     };
+    if q.max_queue_size > MAX_QUEUE_SIZE {
+        return Err(invalid(
+            model,
+            &format!("{field}.max_queue_size"),
+            format!("{}; at most {MAX_QUEUE_SIZE}", q.max_queue_size),
+        ));
+    }
     Ok(QueuePolicySpec {
         timeout_action,
         default_timeout: (q.default_timeout_microseconds > 0)
@@ -177,8 +226,9 @@ fn queue_policy(
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_support::classifier_with;
+    use super::super::test_support::{classifier_with, failure_of, temp_repo, write, CLASSIFIER};
     use super::*;
+    use crate::repository::{scan, Limits};
 
     #[test]
     fn queue_policies_priorities_and_the_response_cache_are_read() {
@@ -237,5 +287,48 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("set priority_levels too"), "{e}");
+    }
+
+    #[test]
+    fn scheduling_bounds_fail_with_the_field_and_the_bound() {
+        let cases = [
+            (
+                "dynamic_batching { max_queue_delay_microseconds: 10000001 }".to_string(),
+                "10000000 (--max-queue-delay-secs 10)",
+            ),
+            (
+                "dynamic_batching { priority_levels: 65 default_priority_level: 1 }".to_string(),
+                "priority_levels",
+            ),
+            (
+                "dynamic_batching { default_queue_policy { max_queue_size: 1048577 } }".to_string(),
+                "max_queue_size",
+            ),
+        ];
+        for (i, (batching, expected)) in cases.iter().enumerate() {
+            let e = classifier_with(&format!("bounds-{i}"), batching).unwrap_err();
+            assert!(e.contains(expected), "{e}");
+        }
+        let at_the_bound = "dynamic_batching { max_queue_delay_microseconds: 10000000 }";
+        assert!(classifier_with("bounds-ok", at_the_bound).is_ok());
+
+        // Each instance times every preferred size at warm-up.
+        let root = temp_repo("bounds-sizes");
+        let sizes: Vec<String> = (1..=17).map(|n| n.to_string()).collect();
+        let config = CLASSIFIER
+            .replace("max_batch_size: 4", "max_batch_size: 32")
+            .replace(
+                "preferred_batch_size: [ 2 ]",
+                &format!("preferred_batch_size: [ {} ]", sizes.join(", ")),
+            );
+        write(&root, "m/config.pbtxt", &config);
+        write(&root, "m/labels.txt", "a\nb\n");
+        write(&root, "m/1/model.pt", "x");
+        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
+        let e = failure_of(&r, "m");
+        assert!(
+            e.contains("preferred_batch_size") && e.contains("17 sizes"),
+            "{e}"
+        );
     }
 }

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use super::{ClassifierSpec, ModelKind};
-use crate::repository::{scan, ScanResult};
+use crate::repository::{scan, Limits, ScanResult};
 
 pub(super) fn write(dir: &Path, rel: &str, text: &str) {
     let p = dir.join(rel);
@@ -50,7 +50,7 @@ pub(super) fn classifier_with(tag: &str, batching: &str) -> Result<ClassifierSpe
     );
     write(&root, "m/labels.txt", "a\nb\n");
     write(&root, "m/1/model.pt", "x");
-    let mut r = scan(std::slice::from_ref(&root)).unwrap();
+    let mut r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
     match r.failures.pop() {
         Some(f) => Err(f.error.to_string()),
         None => match r.models.pop().unwrap().kind {

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use super::invalid;
 use crate::domain::ModelVersion;
-use crate::repository::{pb, RepositoryError};
+use crate::repository::{pb, Limits, RepositoryError};
 
 pub(in crate::repository) fn available_versions(
     dir: &Path,
@@ -38,6 +38,7 @@ pub(in crate::repository) fn select_versions(
     model: &str,
     config: &pb::ModelConfig,
     available: &[ModelVersion],
+    limits: &Limits,
 ) -> Result<Vec<ModelVersion>, RepositoryError> {
     use pb::model_version_policy::PolicyChoice;
     let choice = config
@@ -71,13 +72,24 @@ pub(in crate::repository) fn select_versions(
             "selects none of the version directories on disk",
         ));
     }
+    if selected.len() > limits.versions {
+        return Err(invalid(
+            model,
+            "version_policy",
+            format!(
+                "selects {} versions; at most {} are served per model (--max-model-versions)",
+                selected.len(),
+                limits.versions
+            ),
+        ));
+    }
     Ok(selected)
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::test_support::{temp_repo, write, CLASSIFIER};
-    use crate::repository::scan;
+    use crate::repository::{scan, Limits};
 
     #[test]
     fn version_policy_picks_the_served_version() {
@@ -108,7 +120,7 @@ mod tests {
             write(&root, &format!("two/{v}/model.pt"), "x");
             write(&root, &format!("all/{v}/model.pt"), "x");
         }
-        let r = scan(std::slice::from_ref(&root)).unwrap();
+        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
         assert!(r.failures.is_empty(), "{:?}", r.failures);
         let versions = |m: &str| -> Vec<u64> {
             r.models
