@@ -257,6 +257,7 @@ fn start_http(
         "HTTP",
         (settings.listen.host, port),
         settings.http_workers,
+        state.limits.max_body_bytes,
         move |c| http::configure(c, state.clone()),
     )
 }
@@ -280,7 +281,8 @@ fn start_metrics(
 ) -> anyhow::Result<HttpListener> {
     let metrics = state.metrics.clone();
     let at = (settings.listen.host, port);
-    let listener = HttpListener::start("metrics", at, 1, move |c| {
+    // Only GET /metrics: no body to wait for.
+    let listener = HttpListener::start("metrics", at, 1, 0, move |c| {
         let metrics = metrics.clone();
         c.route(
             "/metrics",

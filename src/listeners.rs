@@ -4,45 +4,73 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use actix_web::{web, App, HttpServer};
+use actix_http::{HttpMessage, HttpService, Request};
+use actix_service::{fn_service, map_config};
+use actix_web::dev::AppConfig;
+use actix_web::http::header;
+use actix_web::{web, App};
 use anyhow::Context;
+use socket2::{Domain, Protocol, Socket, Type};
 use tokio_util::sync::CancellationToken;
 
+use crate::error::{ErrorKind, GatewayError};
 use crate::grpc;
 
 /// How long a listener gets to close once the requests under way are answered (or the
 /// exit timeout is up): idle connections close at once, what is left is cut.
 pub const LISTENER_CLOSE: Duration = Duration::from_secs(2);
 
-/// An actix-web server running in a task.
+/// An actix-web application served by actix-server in a task.
 pub struct HttpListener {
     pub addr: SocketAddr,
-    handle: actix_web::dev::ServerHandle,
+    handle: actix_server::ServerHandle,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
 impl HttpListener {
     /// Binds `name` (`HTTP`, `metrics`) on `host:port` with `workers` worker threads,
-    /// serving the routes `configure` declares.
+    /// serving the routes `configure` declares. A request that says
+    /// `Expect: 100-continue` with a `Content-Length` over `max_body` (the most any of the
+    /// routes accepts) is answered 413 at once, without the 100 that would invite its body.
+    ///
+    /// actix-web's `HttpServer`, spelled out: it has no place for the `Expect` answer. The
+    /// connection settings are its defaults (keep-alive 5 s, the request head within 5 s,
+    /// 1 s to close, a backlog of 1024).
     pub fn start(
         name: &str,
         (host, port): (IpAddr, u16),
         workers: usize,
+        max_body: u64,
         configure: impl Fn(&mut web::ServiceConfig) + Send + Clone + 'static,
     ) -> anyhow::Result<HttpListener> {
-        let server = HttpServer::new(move || App::new().configure(configure.clone()))
-            .on_connect(crate::http::on_connect)
+        let listener = bind(SocketAddr::new(host, port))
+            .with_context(|| format!("binding {name} on {host}:{port}"))?;
+        let addr = listener.local_addr()?;
+        let builder = actix_server::Server::build();
+        let closing = builder.graceful_shutdown_signal();
+        let server = builder
             .workers(workers)
             .disable_signals()
             .shutdown_timeout(LISTENER_CLOSE.as_secs())
-            .bind((host, port))
-            .with_context(|| format!("binding {name} on {host}:{port}"))?;
-        let addr = *server
-            .addrs()
-            .first()
-            .with_context(|| format!("{name} server has no address"))?;
+            .listen(name, listener, move || {
+                let closing = closing.clone();
+                let app = App::new().configure(configure.clone());
+                HttpService::build()
+                    .graceful_shutdown_signal(move || {
+                        let closing = closing.clone();
+                        async move { closing.notified().await }
+                    })
+                    .keep_alive(Duration::from_secs(5))
+                    .client_request_timeout(Duration::from_secs(5))
+                    .client_disconnect_timeout(Duration::from_secs(1))
+                    .local_addr(addr)
+                    .on_connect_ext(crate::http::on_connect)
+                    .expect(fn_service(move |req| expect_continue(req, max_body)))
+                    .finish(map_config(app, |_| AppConfig::default()))
+                    .tcp()
+            })?
+            .run();
         tracing::info!(%addr, "{name} listening");
-        let server = server.run();
         Ok(HttpListener {
             addr,
             handle: server.handle(),
@@ -54,6 +82,36 @@ impl HttpListener {
     pub async fn stop(self) {
         self.handle.stop(true).await;
         let _ = self.task.await;
+    }
+}
+
+/// A listening socket, as actix-web's `HttpServer` makes it.
+fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    Ok(socket.into())
+}
+
+/// The answer to `Expect: 100-continue`: go on (the 100 is sent), unless the body the
+/// request announces is over the limit.
+async fn expect_continue(req: Request, max_body: u64) -> Result<Request, actix_web::Error> {
+    let length = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    match length {
+        Some(length) if length > max_body => Err(GatewayError::new(
+            ErrorKind::PayloadTooLarge,
+            format!(
+                "request body is larger than {max_body} bytes (Content-Length {length}); \
+                 not continuing"
+            ),
+        )
+        .into()),
+        _ => Ok(req),
     }
 }
 

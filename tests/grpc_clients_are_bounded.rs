@@ -1,9 +1,11 @@
 //! What a gRPC client may hold, tried as a hostile client would, over raw TCP and raw
-//! HTTP/2: connections past `--grpc-max-connections` are closed, a connection that never
-//! sends the HTTP/2 preface (or only the preface) is closed after the handshake timeout, an
-//! idle one after the idle timeout (but not while a stream is open on it), the server
-//! announces its stream limit, a message whose prefix claims more than the limit is
-//! refused, and one that stalls costs no resident memory and times out.
+//! HTTP/2: connections past `--grpc-max-connections`, or past
+//! `--grpc-max-connections-per-peer` from one address, are closed; a connection that
+//! opens no call (silent, only the preface, or a whole handshake) is closed after the
+//! handshake timeout, an idle one after the idle timeout (but not while a stream is open on
+//! it); the server announces its stream limit; a message whose prefix claims more than the
+//! limit is refused, and one that stalls costs no memory, resident or reserved, and times
+//! out.
 mod common;
 
 use std::time::{Duration, Instant};
@@ -23,10 +25,11 @@ const SETTINGS_AND_ACK: [u8; 18] = [0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0, 4, 1, 0,
 fn config() -> Config {
     let mut c = Config::for_tests();
     c.grpc_max_connections = 4;
+    c.grpc_max_connections_per_peer = 3;
     c.grpc_max_concurrent_streams = 17;
     c.grpc_handshake_timeout_secs = 1;
-    c.grpc_idle_timeout_secs = 2;
-    c.grpc_max_message_bytes = 64 << 20;
+    c.grpc_idle_timeout_secs = 3;
+    c.grpc_max_message_bytes = 512 << 20;
     c.body_timeout_secs = 2;
     c
 }
@@ -146,11 +149,12 @@ async fn grpc_status(response: h2::client::ResponseFuture) -> Result<String, h2:
         .unwrap_or_default())
 }
 
-fn resident_bytes() -> u64 {
+/// A line of this process's /proc status (`VmRSS:`, `VmSize:`), in bytes.
+fn memory(line: &str) -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
     let kb: u64 = status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(line))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap();
     kb * 1024
@@ -161,40 +165,67 @@ async fn grpc_connections_streams_and_messages_are_bounded() {
     let gw = TestGateway::start_fake(config(), Duration::from_millis(5)).await;
     let addr = gw.gateway.as_ref().unwrap().grpc_addr.expect("listening");
 
-    // Silent connections, and one that sends only the preface: closed after the handshake
-    // timeout (1 s), not before.
+    // Silent connections, one that sends only the preface and one that does the whole
+    // handshake but opens no call: closed after the handshake timeout (1 s), not before,
+    // and not left to the idle timeout (3 s).
+    // The server's SETTINGS announce the stream limit.
     let opened = Instant::now();
     let mut silent = TcpStream::connect(addr).await.unwrap();
     let mut preface_only = TcpStream::connect(addr).await.unwrap();
     preface_only.write_all(PREFACE).await.unwrap();
-    for conn in [&mut silent, &mut preface_only] {
-        let (_, closed) = until_closed(conn, Duration::from_secs(5)).await;
+    let mut no_call = TcpStream::connect(addr).await.unwrap();
+    no_call.write_all(PREFACE).await.unwrap();
+    no_call.write_all(&SETTINGS_AND_ACK).await.unwrap();
+    let mut settings = Vec::new();
+    for conn in [&mut silent, &mut preface_only, &mut no_call] {
+        let (sent, closed) = until_closed(conn, Duration::from_secs(5)).await;
         assert!(closed.is_some(), "not closed after the handshake timeout");
         let after = opened.elapsed();
         assert!(
-            after >= Duration::from_millis(800),
+            after >= Duration::from_millis(800) && after < Duration::from_millis(2500),
             "closed after {after:?}"
         );
+        settings = sent;
     }
-
-    // A connection that did its handshake and opens no call: closed after the idle timeout
-    // (2 s). The server's SETTINGS announce the stream limit.
-    let mut idle = TcpStream::connect(addr).await.unwrap();
-    idle.write_all(PREFACE).await.unwrap();
-    idle.write_all(&SETTINGS_AND_ACK).await.unwrap();
-    let (sent, closed) = until_closed(&mut idle, Duration::from_secs(8)).await;
-    let closed = closed.expect("an idle connection is closed");
-    assert!(
-        closed >= Duration::from_millis(1800),
-        "closed after {closed:?}"
-    );
-    let settings_len = u32::from_be_bytes([0, sent[0], sent[1], sent[2]]) as usize;
-    assert_eq!(sent[3], 4, "the server starts with SETTINGS");
-    let max_streams = sent[9..9 + settings_len]
+    let settings_len = u32::from_be_bytes([0, settings[0], settings[1], settings[2]]) as usize;
+    assert_eq!(settings[3], 4, "the server starts with SETTINGS");
+    let max_streams = settings[9..9 + settings_len]
         .chunks(6)
         .find(|s| u16::from_be_bytes([s[0], s[1]]) == 3)
         .map(|s| u32::from_be_bytes([s[2], s[3], s[4], s[5]]));
     assert_eq!(max_streams, Some(17), "SETTINGS_MAX_CONCURRENT_STREAMS");
+
+    // A connection whose one call is over: closed after the idle timeout (3 s) instead.
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    let connection = tokio::spawn(connection);
+    let request = http::Request::post(format!(
+        "http://{addr}/inference.GRPCInferenceService/ServerLive"
+    ))
+    .header("content-type", "application/grpc")
+    .header("te", "trailers")
+    .body(())
+    .unwrap();
+    let (response, mut body) = h2
+        .ready()
+        .await
+        .unwrap()
+        .send_request(request, false)
+        .unwrap();
+    body.send_data(Bytes::from_static(&[0, 0, 0, 0, 0]), true)
+        .unwrap();
+    assert_eq!(grpc_status(response).await.unwrap(), "0");
+    let called = Instant::now();
+    tokio::time::timeout(Duration::from_secs(8), connection)
+        .await
+        .expect("an idle connection is closed")
+        .unwrap()
+        .ok();
+    let closed = called.elapsed();
+    assert!(
+        closed >= Duration::from_millis(2800),
+        "closed after {closed:?}"
+    );
 
     // A stream left open longer than the idle timeout keeps its connection.
     let mut streaming = client(addr).await;
@@ -204,7 +235,7 @@ async fn grpc_connections_streams_and_messages_are_bounded() {
         .await
         .expect("the stream opens")
         .into_inner();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
     requests
         .send(pb::ModelInferRequest {
             model_name: "no_such_model".into(),
@@ -221,39 +252,62 @@ async fn grpc_connections_streams_and_messages_are_bounded() {
     assert!(answer.error_message.contains("no_such_model"), "{answer:?}");
     drop((requests, responses, streaming));
 
-    // At most 4 connections: a fifth is closed as it is accepted; one freed is reusable.
+    // At most 3 connections from one address and 4 in all: one more is closed as it is
+    // accepted; a place freed is reusable. Loopback has many addresses to come from.
     let mut held = Vec::new();
-    for _ in 0..4 {
+    for _ in 0..3 {
         held.push(served_client(addr).await);
     }
-    let mut fifth = TcpStream::connect(addr).await.unwrap();
-    fifth.write_all(PREFACE).await.unwrap();
-    let (_, closed) = until_closed(&mut fifth, Duration::from_secs(3)).await;
+    let refused = |from: [u8; 4]| async move {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket
+            .bind((std::net::Ipv4Addr::from(from), 0).into())
+            .unwrap();
+        let mut conn = socket.connect(addr).await.unwrap();
+        conn.write_all(PREFACE).await.unwrap();
+        let (_, closed) = until_closed(&mut conn, Duration::from_secs(3)).await;
+        closed.is_some_and(|c| c < Duration::from_millis(500))
+    };
     assert!(
-        closed.is_some_and(|c| c < Duration::from_millis(500)),
-        "a fifth connection was kept: {closed:?}"
+        refused([127, 0, 0, 1]).await,
+        "a fourth connection from one peer was kept"
     );
+    let other = tokio::net::TcpSocket::new_v4().unwrap();
+    other.bind(([127, 0, 0, 2], 0).into()).unwrap();
+    let mut fourth = other.connect(addr).await.unwrap();
+    fourth.write_all(PREFACE).await.unwrap();
+    let (_, closed) = until_closed(&mut fourth, Duration::from_millis(300)).await;
+    assert!(
+        closed.is_none(),
+        "another peer's connection was closed at once"
+    );
+    assert!(refused([127, 0, 0, 3]).await, "a fifth connection was kept");
+    drop(fourth);
     held.pop();
     served_client(addr).await;
     drop(held);
 
-    // A prefix claiming more than the limit (64 MiB): refused at once (OUT_OF_RANGE).
+    // A prefix claiming more than the limit (512 MiB): refused at once (OUT_OF_RANGE).
     let (status, took) = raw_infer(addr, u32::MAX >> 1, 10).await;
     assert_eq!(status, "11", "grpc-status");
     assert!(took < Duration::from_secs(1), "{took:?}");
 
-    // Messages within the limit that stall: no resident memory held, DEADLINE_EXCEEDED
-    // once the body budget (2 s) is spent.
-    let before = resident_bytes();
+    // Messages within the limit that stall: no memory held for what they claim, resident
+    // or reserved, DEADLINE_EXCEEDED once the body budget (2 s) is spent.
+    let before = (memory("VmRSS:"), memory("VmSize:"));
     let stalled: Vec<_> = (0..3)
-        .map(|_| tokio::spawn(raw_infer(addr, 60 << 20, 1000)))
+        .map(|_| tokio::spawn(raw_infer(addr, 500 << 20, 1000)))
         .collect();
     tokio::time::sleep(Duration::from_millis(1000)).await;
-    let grown = resident_bytes().saturating_sub(before);
+    let grown = (
+        memory("VmRSS:").saturating_sub(before.0),
+        memory("VmSize:").saturating_sub(before.1),
+    );
     assert!(
-        grown < 64 << 20,
-        "3 stalled 60 MiB messages raised resident memory by {} MiB",
-        grown >> 20
+        grown.0 < 64 << 20 && grown.1 < 256 << 20,
+        "3 stalled 500 MiB messages raised resident memory by {} MiB, reserved by {} MiB",
+        grown.0 >> 20,
+        grown.1 >> 20
     );
     for call in stalled {
         let (status, took) = call.await.unwrap();

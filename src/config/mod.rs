@@ -140,6 +140,16 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_GRPC_MAX_CONNECTIONS", default_value_t = 1024)]
     pub grpc_max_connections: usize,
 
+    /// gRPC connections open at once from one client address, loopback included; one more
+    /// is closed as it is accepted. Behind a proxy every client has the proxy's address:
+    /// raise it there.
+    #[arg(
+        long,
+        env = "VISIONGATE_GRPC_MAX_CONNECTIONS_PER_PEER",
+        default_value_t = 64
+    )]
+    pub grpc_max_connections_per_peer: usize,
+
     /// Calls open at once on one gRPC connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS);
     /// clients queue the rest themselves.
     #[arg(
@@ -168,7 +178,8 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_GRPC_IDLE_TIMEOUT_SECS", default_value_t = 300)]
     pub grpc_idle_timeout_secs: u64,
 
-    /// Seconds from a gRPC connection's accept to its client's HTTP/2 preface.
+    /// Seconds from a gRPC connection's accept to its client's first call; a connection
+    /// that has opened none by then is closed (clients reconnect on their next call).
     #[arg(
         long,
         env = "VISIONGATE_GRPC_HANDSHAKE_TIMEOUT_SECS",
@@ -556,6 +567,7 @@ impl Config {
             || self.body_timeout_secs == 0
             || self.body_min_rate == 0
             || self.grpc_max_connections == 0
+            || self.grpc_max_connections_per_peer == 0
             || self.grpc_max_concurrent_streams == 0
             || self.grpc_keepalive_time == 0
             || self.grpc_keepalive_timeout == 0
@@ -688,6 +700,7 @@ impl Config {
                 keepalive_timeout: Duration::from_millis(self.grpc_keepalive_timeout),
                 connections: ConnLimits {
                     max_connections: self.grpc_max_connections,
+                    per_peer: self.grpc_max_connections_per_peer,
                     handshake: Duration::from_secs(self.grpc_handshake_timeout_secs),
                     idle: Duration::from_secs(self.grpc_idle_timeout_secs),
                     tcp_keepalive: Duration::from_millis(self.grpc_keepalive_time),

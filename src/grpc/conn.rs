@@ -1,13 +1,16 @@
 //! What one gRPC client may hold, and for how long: at most `max_connections` connections
-//! at once (one more is closed as it is accepted), TCP keepalive, the HTTP/2 preface within
-//! `handshake` of the accept, closed once no call has been open for `idle`, each message's
-//! bytes held to their pace (`crate::pace`), and a kill switch the stop pulls when its time
+//! at once and `per_peer` from one address (one more is closed as it is accepted), TCP
+//! keepalive, a first call within `handshake` of the accept, closed once no call has been
+//! open for `idle`, each message's bytes held to their pace (`crate::pace`) and passed on
+//! only once the whole message has arrived, and a kill switch the stop pulls when its time
 //! is up. The HTTP/2 settings themselves (concurrent streams, keepalive pings, message
 //! sizes) are tonic's, set in `serve`.
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -17,7 +20,6 @@ use futures_util::Stream;
 use http_body::Frame;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tonic::body::Body;
@@ -27,14 +29,13 @@ use crate::error::GatewayError;
 use crate::pace::{BodyPace, Budget, Step};
 use crate::state::{Drain, Endpoint, Restrictions, Work};
 
-/// The HTTP/2 client preface (24 bytes) and the header of its first SETTINGS frame.
-const HANDSHAKE_BYTES: usize = 24 + 9;
-
 /// How long an accepted connection may stay, and how many there may be.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnLimits {
     pub max_connections: usize,
-    /// From the accept to the client's HTTP/2 preface.
+    /// From one peer address (loopback too).
+    pub per_peer: usize,
+    /// From the accept to the client's first call.
     pub handshake: Duration,
     /// With no call open.
     pub idle: Duration,
@@ -44,6 +45,8 @@ pub struct ConnLimits {
 /// The calls open on one connection, for its idle timeout.
 struct Activity {
     open: AtomicUsize,
+    /// A call has been opened.
+    called: AtomicBool,
     /// When a call last started or ended.
     changed: Mutex<Instant>,
 }
@@ -60,13 +63,64 @@ pub struct ConnInfo {
     activity: Arc<Activity>,
 }
 
-/// The accepted connections, refused past `max_connections`, until the listener is dropped.
+/// The connections held, in all and by peer address.
+struct Places {
+    limits: ConnLimits,
+    held: Mutex<(usize, HashMap<IpAddr, usize>)>,
+}
+
+/// One connection's place, given back as it closes.
+struct Place {
+    places: Arc<Places>,
+    peer: IpAddr,
+}
+
+impl Places {
+    /// A place for a connection from `peer`, or which limit is reached.
+    fn take(self: &Arc<Self>, peer: IpAddr) -> Result<Place, &'static str> {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let (all, peers) = &mut *held;
+        if *all >= self.limits.max_connections {
+            return Err("--grpc-max-connections");
+        }
+        let from_peer = peers.entry(peer).or_default();
+        if *from_peer >= self.limits.per_peer {
+            return Err("--grpc-max-connections-per-peer");
+        }
+        *from_peer += 1;
+        *all += 1;
+        Ok(Place {
+            places: self.clone(),
+            peer,
+        })
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        let mut held = self.places.held.lock().unwrap_or_else(|p| p.into_inner());
+        let (all, peers) = &mut *held;
+        *all -= 1;
+        if let Some(from_peer) = peers.get_mut(&self.peer) {
+            *from_peer -= 1;
+            if *from_peer == 0 {
+                peers.remove(&self.peer);
+            }
+        }
+    }
+}
+
+/// The accepted connections, refused past `max_connections` (or `per_peer` from one
+/// address), until the listener is dropped.
 pub fn incoming(
     listener: TcpListener,
     limits: ConnLimits,
     kill: CancellationToken,
 ) -> impl Stream<Item = io::Result<Conn>> {
-    let places = Arc::new(Semaphore::new(limits.max_connections));
+    let places = Arc::new(Places {
+        limits,
+        held: Mutex::new((0, HashMap::new())),
+    });
     futures_util::stream::unfold(listener, move |listener| {
         let (places, kill) = (places.clone(), kill.clone());
         async move {
@@ -80,9 +134,12 @@ pub fn incoming(
                         continue;
                     }
                 };
-                let Ok(place) = places.clone().try_acquire_owned() else {
-                    tracing::debug!(%peer, "gRPC connection closed: --grpc-max-connections reached");
-                    continue;
+                let place = match places.take(peer.ip().to_canonical()) {
+                    Ok(place) => place,
+                    Err(limit) => {
+                        tracing::debug!(%peer, "gRPC connection closed: {limit} reached");
+                        continue;
+                    }
                 };
                 let keepalive = socket2::TcpKeepalive::new()
                     .with_time(limits.tcp_keepalive)
@@ -100,10 +157,9 @@ pub fn incoming(
 /// One accepted connection.
 pub struct Conn {
     io: TcpStream,
-    _place: OwnedSemaphorePermit,
-    /// Until the client's preface has arrived.
+    _place: Place,
+    /// Until the client's first call.
     handshake: Option<Pin<Box<Sleep>>>,
-    seen: usize,
     activity: Arc<Activity>,
     idle: Duration,
     idle_timer: Pin<Box<Sleep>>,
@@ -111,19 +167,14 @@ pub struct Conn {
 }
 
 impl Conn {
-    fn new(
-        io: TcpStream,
-        place: OwnedSemaphorePermit,
-        limits: ConnLimits,
-        kill: CancellationToken,
-    ) -> Conn {
+    fn new(io: TcpStream, place: Place, limits: ConnLimits, kill: CancellationToken) -> Conn {
         Conn {
             io,
             _place: place,
             handshake: Some(Box::pin(tokio::time::sleep(limits.handshake))),
-            seen: 0,
             activity: Arc::new(Activity {
                 open: AtomicUsize::new(0),
+                called: AtomicBool::new(false),
                 changed: Mutex::new(Instant::now()),
             }),
             idle: limits.idle,
@@ -140,11 +191,14 @@ impl Conn {
                 "the server stopped",
             ));
         }
+        if self.activity.called.load(Ordering::SeqCst) {
+            self.handshake = None;
+        }
         if let Some(handshake) = &mut self.handshake {
             if handshake.as_mut().poll(cx).is_ready() {
                 return Some(io::Error::new(
                     io::ErrorKind::TimedOut,
-                    "no HTTP/2 preface in time",
+                    "no call within the handshake timeout",
                 ));
             }
         }
@@ -181,15 +235,7 @@ impl AsyncRead for Conn {
         if let Some(e) = this.must_end(cx) {
             return Poll::Ready(Err(e));
         }
-        let before = buf.filled().len();
-        let read = Pin::new(&mut this.io).poll_read(cx, buf);
-        if let Poll::Ready(Ok(())) = read {
-            this.seen += buf.filled().len() - before;
-            if this.seen >= HANDSHAKE_BYTES {
-                this.handshake = None;
-            }
-        }
-        read
+        Pin::new(&mut this.io).poll_read(cx, buf)
     }
 }
 
@@ -227,11 +273,12 @@ impl tonic::transport::server::Connected for Conn {
 
 /// The tower layer that refuses calls to restricted methods without their key, counts
 /// each call as open on its connection until its response is done, and holds its request
-/// body to `pace`. A unary inference call is admitted by the `drain` as its headers
+/// body to `pace` (messages of at most `max_message` bytes). A unary inference call is admitted by the `drain` as its headers
 /// arrive, so a stop waits for a message still being received.
 #[derive(Clone)]
 pub struct CallLayer {
     pub pace: BodyPace,
+    pub max_message: usize,
     pub drain: Arc<Drain>,
     pub restrictions: Restrictions,
 }
@@ -243,6 +290,7 @@ impl<S> tower::Layer<S> for CallLayer {
         Calls {
             inner,
             pace: self.pace,
+            max_message: self.max_message,
             drain: self.drain.clone(),
             restrictions: Arc::new(self.restrictions.clone()),
         }
@@ -253,6 +301,7 @@ impl<S> tower::Layer<S> for CallLayer {
 pub struct Calls<S> {
     inner: S,
     pace: BodyPace,
+    max_message: usize,
     drain: Arc<Drain>,
     restrictions: Arc<Restrictions>,
 }
@@ -304,8 +353,9 @@ where
             .extensions()
             .get::<ConnInfo>()
             .map(|info| OpenCall::new(info.activity.clone()));
-        let pace = self.pace;
-        let request = request.map(|body| Body::new(PacedBody::new(body, pace, streaming)));
+        let (pace, max_message) = (self.pace, self.max_message);
+        let request =
+            request.map(|body| Body::new(PacedBody::new(body, pace, max_message, streaming)));
         let call = self.inner.call(request);
         Box::pin(async move {
             let response = call.await?;
@@ -326,6 +376,7 @@ struct OpenCall(Arc<Activity>);
 impl OpenCall {
     fn new(activity: Arc<Activity>) -> OpenCall {
         activity.open.fetch_add(1, Ordering::SeqCst);
+        activity.called.store(true, Ordering::SeqCst);
         activity.touch();
         OpenCall(activity)
     }
@@ -365,68 +416,83 @@ impl<B: http_body::Body + Unpin> http_body::Body for Holding<B> {
     }
 }
 
-/// Where a request body is in gRPC's framing: a 5-byte prefix (compressed flag, length),
-/// then that many bytes of message.
-#[derive(Default)]
-struct Framing {
+/// A request body cut into gRPC's messages (a 5-byte prefix: compressed flag and length,
+/// then that many bytes) and held to its pace while a message is arriving: a unary call's
+/// client must send its message promptly; a stream's client may rest between messages.
+/// A message is passed on only once all of it has arrived: tonic reserves the length its
+/// prefix claims as it reads the prefix, so what the server holds grows with the bytes a
+/// client has sent, not with what it claims.
+struct PacedBody {
+    body: Body,
+    budget: Budget,
+    pace: BodyPace,
+    max_message: usize,
+    streaming: bool,
+    /// The message arriving: its prefix and the bytes of it so far.
+    arriving: VecDeque<Bytes>,
     prefix: [u8; 5],
-    have: usize,
-    remaining: u64,
+    prefix_have: usize,
+    /// Bytes of the arriving message still to come, once its prefix is whole.
+    remaining: usize,
+    /// Whole messages, to be passed on.
+    whole: VecDeque<Bytes>,
+    ended: bool,
 }
 
-impl Framing {
-    fn feed(&mut self, mut data: &[u8]) {
-        while !data.is_empty() {
-            if self.remaining > 0 {
-                let n = (self.remaining.min(data.len() as u64)) as usize;
-                self.remaining -= n as u64;
-                data = &data[n..];
-                continue;
-            }
-            let n = (5 - self.have).min(data.len());
-            self.prefix[self.have..self.have + n].copy_from_slice(&data[..n]);
-            self.have += n;
-            data = &data[n..];
-            if self.have == 5 {
-                self.have = 0;
-                let length = u32::from_be_bytes([
-                    self.prefix[1],
-                    self.prefix[2],
-                    self.prefix[3],
-                    self.prefix[4],
-                ]);
-                self.remaining = u64::from(length);
-            }
+impl PacedBody {
+    fn new(body: Body, pace: BodyPace, max_message: usize, streaming: bool) -> PacedBody {
+        PacedBody {
+            body,
+            budget: Budget::new(pace),
+            pace,
+            max_message,
+            streaming,
+            arriving: VecDeque::new(),
+            prefix: [0; 5],
+            prefix_have: 0,
+            remaining: 0,
+            whole: VecDeque::new(),
+            ended: false,
         }
     }
 
     /// No message is partly received.
     fn between_messages(&self) -> bool {
-        self.have == 0 && self.remaining == 0
+        self.arriving.is_empty()
     }
-}
 
-/// A request body held to its pace while a message is arriving: a unary call's client
-/// must send its message promptly; a stream's client may rest between messages.
-struct PacedBody {
-    body: Body,
-    budget: Budget,
-    pace: BodyPace,
-    framing: Framing,
-    streaming: bool,
-    ended: bool,
-}
-
-impl PacedBody {
-    fn new(body: Body, pace: BodyPace, streaming: bool) -> PacedBody {
-        PacedBody {
-            body,
-            budget: Budget::new(pace),
-            pace,
-            framing: Framing::default(),
-            streaming,
-            ended: false,
+    /// Files `data` under the messages it belongs to.
+    fn take(&mut self, mut data: Bytes) -> Result<(), Status> {
+        while !data.is_empty() {
+            if self.prefix_have < 5 {
+                let n = (5 - self.prefix_have).min(data.len());
+                self.prefix[self.prefix_have..][..n].copy_from_slice(&data[..n]);
+                self.prefix_have += n;
+                self.arriving.push_back(data.split_to(n));
+                if self.prefix_have < 5 {
+                    continue;
+                }
+                let [_, length @ ..] = self.prefix;
+                let length = u32::from_be_bytes(length) as usize;
+                if length > self.max_message {
+                    return Err(Status::out_of_range(format!(
+                        "a gRPC message of {length} bytes is over the limit of {} bytes \
+                         (--grpc-max-message-bytes)",
+                        self.max_message
+                    )));
+                }
+                self.remaining = length;
+            } else {
+                let n = self.remaining.min(data.len());
+                self.arriving.push_back(data.split_to(n));
+                self.remaining -= n;
+            }
+            if self.remaining == 0 {
+                self.whole.append(&mut self.arriving);
+                self.prefix_have = 0;
+            }
         }
+        Ok(())
     }
 }
 
@@ -439,46 +505,77 @@ impl http_body::Body for PacedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
         let this = self.get_mut();
-        if this.ended {
-            return Poll::Ready(None);
-        }
-        // Only a stream's client may rest, and only between its messages.
-        let rests = this.streaming && this.framing.between_messages();
-        let body = &mut this.body;
-        let step = this.budget.poll(
-            cx,
-            rests,
-            |cx| Pin::new(body).poll_frame(cx),
-            |item| match item {
-                Ok(frame) => frame.data_ref().map_or(0, Bytes::len),
-                Err(_) => 0,
-            },
-        );
-        match step {
-            Step::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    this.framing.feed(data);
+        loop {
+            if let Some(data) = this.whole.pop_front() {
+                return Poll::Ready(Some(Ok(Frame::data(data))));
+            }
+            if this.ended {
+                return Poll::Ready(None);
+            }
+            // Only a stream's client may rest, and only between its messages.
+            let rests = this.streaming && this.between_messages();
+            let body = &mut this.body;
+            let step = this.budget.poll(
+                cx,
+                rests,
+                |cx| Pin::new(body).poll_frame(cx),
+                |item| match item {
+                    Ok(frame) => frame.data_ref().map_or(0, Bytes::len),
+                    Err(_) => 0,
+                },
+            );
+            let frame = match step {
+                Step::Ready(Some(Ok(frame))) => frame,
+                Step::Ready(Some(Err(e))) => {
+                    this.ended = true;
+                    return Poll::Ready(Some(Err(e)));
                 }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Step::Ready(other) => {
-                this.ended = true;
-                Poll::Ready(other)
-            }
-            Step::Pending => Poll::Pending,
-            Step::Stalled => {
-                this.ended = true;
-                Poll::Ready(Some(Err(Status::from(this.pace.stalled()))))
+                Step::Ready(None) if this.between_messages() => {
+                    this.ended = true;
+                    return Poll::Ready(None);
+                }
+                Step::Ready(_) => {
+                    // Trailers or the end, with a message partly sent.
+                    this.ended = true;
+                    let sent: usize = this.arriving.iter().map(Bytes::len).sum();
+                    return Poll::Ready(Some(Err(Status::invalid_argument(format!(
+                        "the request ended {sent} bytes into a gRPC message (prefix \
+                         included) of which {} bytes were still to come",
+                        this.remaining + (5 - this.prefix_have)
+                    )))));
+                }
+                Step::Pending => return Poll::Pending,
+                Step::Stalled => {
+                    this.ended = true;
+                    return Poll::Ready(Some(Err(Status::from(this.pace.stalled()))));
+                }
+            };
+            match frame.into_data() {
+                Ok(data) => {
+                    if let Err(e) = this.take(data) {
+                        this.ended = true;
+                        return Poll::Ready(Some(Err(e)));
+                    }
+                }
+                Err(trailers) if this.between_messages() => {
+                    return Poll::Ready(Some(Ok(trailers)));
+                }
+                Err(_) => {
+                    this.ended = true;
+                    return Poll::Ready(Some(Err(Status::invalid_argument(
+                        "the request's trailers came in the middle of a gRPC message",
+                    ))));
+                }
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended || self.body.is_end_stream()
+        self.ended && self.whole.is_empty()
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
+        http_body::SizeHint::default()
     }
 }
 
@@ -486,25 +583,55 @@ impl http_body::Body for PacedBody {
 mod tests {
     use super::*;
 
-    #[test]
-    fn framing_follows_messages_split_anywhere() {
+    /// A stream's body (its budget needs a runtime).
+    fn body(max_message: usize) -> PacedBody {
+        let pace = BodyPace {
+            timeout: Duration::from_secs(1),
+            min_rate: 1,
+        };
+        PacedBody::new(Body::empty(), pace, max_message, true)
+    }
+
+    fn passed_on(b: &mut PacedBody) -> Vec<u8> {
+        b.whole.drain(..).flat_map(|d| d.to_vec()).collect()
+    }
+
+    #[tokio::test]
+    async fn messages_are_passed_on_whole_however_they_arrive() {
         // A 3-byte message, then an empty one.
-        let body = [0u8, 0, 0, 0, 3, 7, 8, 9, 0, 0, 0, 0, 0];
+        let sent = [0u8, 0, 0, 0, 3, 7, 8, 9, 0, 0, 0, 0, 0];
         let ends = [0, 8, 13];
-        for split in 0..=body.len() {
-            let mut f = Framing::default();
-            f.feed(&body[..split]);
+        for split in 0..=sent.len() {
+            let mut b = body(3);
+            b.take(Bytes::copy_from_slice(&sent[..split])).unwrap();
+            let whole = passed_on(&mut b);
             assert_eq!(
-                f.between_messages(),
+                b.between_messages(),
                 ends.contains(&split),
                 "split at {split}"
             );
-            f.feed(&body[split..]);
-            assert!(f.between_messages());
+            let before = ends.iter().copied().filter(|&e| e <= split).max().unwrap();
+            assert_eq!(whole, sent[..before], "split at {split}");
+            for byte in &sent[split..] {
+                b.take(Bytes::copy_from_slice(&[*byte])).unwrap();
+            }
+            assert!(b.between_messages());
+            assert_eq!(passed_on(&mut b), sent[before..], "split at {split}");
         }
-        // A prefix that claims more than arrives stays inside the message.
-        let mut f = Framing::default();
-        f.feed(&[0, 0x7f, 0xff, 0xff, 0xff, 1, 2]);
-        assert!(!f.between_messages());
+    }
+
+    #[tokio::test]
+    async fn a_claimed_length_is_held_back_until_its_bytes_arrive() {
+        // A prefix that claims 1 GiB is not passed on (tonic would reserve the gigabyte).
+        let mut b = body(2 << 30);
+        b.take(Bytes::from_static(&[0, 0x40, 0, 0, 0, 1, 2]))
+            .unwrap();
+        assert!(b.whole.is_empty() && !b.between_messages());
+        assert_eq!(b.remaining, (1 << 30) - 2);
+        // Over the limit: refused from the prefix.
+        let mut b = body(1000);
+        let e = b.take(Bytes::from_static(&[0, 0, 0, 3, 233])).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::OutOfRange);
+        assert!(e.message().contains("1001 bytes"), "{}", e.message());
     }
 }

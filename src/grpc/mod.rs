@@ -60,6 +60,7 @@ pub async fn serve(
         .http2_max_local_error_reset_streams(Some(1024))
         .layer(conn::CallLayer {
             pace: settings.pace,
+            max_message: settings.max_message_bytes,
             drain,
             restrictions,
         })

@@ -5,7 +5,6 @@
 //! on the model. Each connection keeps a second descriptor of its socket; a handler that
 //! waits races its work against `gone`, which peeks at the socket: end-of-stream or an
 //! error means the client left (as Go's HTTP server treats a read EOF).
-use std::any::Any;
 use std::io::ErrorKind as IoErrorKind;
 use std::os::fd::AsFd;
 use std::sync::Arc;
@@ -22,11 +21,8 @@ const POLL: Duration = Duration::from_millis(50);
 #[derive(Clone)]
 struct ClientSocket(Arc<std::net::TcpStream>);
 
-/// `HttpServer::on_connect` hook: keeps a duplicate of the connection's socket.
-pub fn on_connect(conn: &dyn Any, ext: &mut Extensions) {
-    let Some(tcp) = conn.downcast_ref::<actix_web::rt::net::TcpStream>() else {
-        return;
-    };
+/// The HTTP listener's `on_connect` hook: keeps a duplicate of the connection's socket.
+pub fn on_connect(tcp: &actix_web::rt::net::TcpStream, ext: &mut Extensions) {
     match tcp.as_fd().try_clone_to_owned() {
         // The duplicate shares the socket's non-blocking flag, so `peek` never blocks.
         Ok(fd) => {

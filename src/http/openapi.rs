@@ -2,6 +2,7 @@
 //! from the handlers' `#[utoipa::path]` and the DTOs' `ToSchema`. `openapi/openapi.json` is
 //! this document, committed (`make openapi` rewrites it); a test fails when they drift.
 use utoipa::openapi::path::{Operation, Parameter, ParameterBuilder, ParameterIn, PathItem};
+use utoipa::openapi::schema::{AllOfBuilder, OneOfBuilder};
 use utoipa::openapi::{
     ContentBuilder, ObjectBuilder, Ref, RefOr, Required, ResponseBuilder, Schema, Type,
 };
@@ -85,7 +86,29 @@ pub fn document() -> utoipa::openapi::OpenApi {
     for item in paths.values_mut() {
         *item = with_operations(item.clone(), exact_contract);
     }
+    one_way_of_data(&mut doc);
     doc
+}
+
+/// A KServe input carries its data in exactly one way (`v2_infer` refuses none or two):
+/// `data`, `binary_data_size` in `parameters` (the bytes follow the JSON), or
+/// `shared_memory_region` in `parameters`.
+fn one_way_of_data(doc: &mut utoipa::openapi::OpenApi) {
+    let input = doc
+        .components
+        .as_mut()
+        .and_then(|c| c.schemas.get_mut("JsonInput"))
+        .expect("the document has JsonInput");
+    let in_parameters = |name: &str| {
+        ObjectBuilder::new()
+            .property("parameters", ObjectBuilder::new().required(name))
+            .required("parameters")
+    };
+    let ways = OneOfBuilder::new()
+        .item(ObjectBuilder::new().required("data"))
+        .item(in_parameters("binary_data_size"))
+        .item(in_parameters("shared_memory_region"));
+    *input = AllOfBuilder::new().item(input.clone()).item(ways).into();
 }
 
 /// Model names as `ModelName::check` takes them: no path separator or control character,

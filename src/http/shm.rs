@@ -51,14 +51,15 @@ pub async fn region_status(
     responses(
         (status = 200, description = "Registered"),
         (status = 400, description = "A bad body or key, a name already registered, a region beyond its object, or too many regions", body = ErrorBody),
-        (status = 403, description = "Restricted and sent without its header", body = ErrorBody),
-        (status = 501, description = "Client shared memory is off (`--allow-client-shm=false`, the default)", body = ErrorBody),
+        (status = 403, description = "Client shared memory is off (`--allow-client-shm=false`, the default), or the API is restricted and the request lacks its header", body = ErrorBody),
     ))]
 pub async fn register(
     path: web::Path<String>,
     body: web::Bytes,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
+    // Off: refused whatever the body says.
+    state.shared_memory.allowed()?;
     let r: RegisterRequest = serde_json::from_slice(&body).map_err(|e| {
         GatewayError::invalid(format!("malformed shared memory register request: {e}"))
     })?;
@@ -72,8 +73,7 @@ pub async fn register(
 #[utoipa::path(post, path = "/v2/systemsharedmemory/unregister", tag = "shared memory",
     responses(
         (status = 200, description = "Unregistered"),
-        (status = 403, description = "Restricted and sent without its header", body = ErrorBody),
-        (status = 501, description = "Client shared memory is off", body = ErrorBody),
+        (status = 403, description = "Client shared memory is off, or the API is restricted and the request lacks its header", body = ErrorBody),
     ))]
 pub async fn unregister_all(state: web::Data<AppState>) -> Result<HttpResponse, GatewayError> {
     state.shared_memory.unregister_all()?;
@@ -86,8 +86,7 @@ pub async fn unregister_all(state: web::Data<AppState>) -> Result<HttpResponse, 
     params(("name" = String, Path, description = "Region name")),
     responses(
         (status = 200, description = "Unregistered"),
-        (status = 403, description = "Restricted and sent without its header", body = ErrorBody),
-        (status = 501, description = "Client shared memory is off", body = ErrorBody),
+        (status = 403, description = "Client shared memory is off, or the API is restricted and the request lacks its header", body = ErrorBody),
     ))]
 pub async fn unregister(
     path: web::Path<String>,

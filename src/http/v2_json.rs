@@ -55,7 +55,7 @@ pub struct JsonInput<'a> {
     pub parameters: JsonParams,
     /// The elements, flat or nested (row-major).
     #[serde(default, borrow)]
-    #[schema(value_type = Object)]
+    #[schema(value_type = Vec<serde_json::Value>)]
     pub data: Option<&'a RawValue>,
 }
 

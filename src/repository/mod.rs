@@ -91,7 +91,7 @@ pub struct Limits {
 
 impl Limits {
     pub const DEFAULT_VERSIONS: usize = 16;
-    pub const DEFAULT_BATCH_BYTES: u64 = 2 << 30;
+    pub const DEFAULT_BATCH_BYTES: u64 = 256 << 20;
     pub const DEFAULT_WARMUP_ROWS: u64 = 4096;
     pub const DEFAULT_MODEL_INSTANCES: usize = 32;
     pub const DEFAULT_INSTANCES: usize = 128;

@@ -142,7 +142,9 @@ pub enum ShmError {
 impl HasKind for ShmError {
     fn kind(&self) -> ErrorKind {
         match self {
-            ShmError::Disabled | ShmError::Cuda => ErrorKind::Unsupported,
+            // Off on this server: a deployment's choice, refused as a closed API is.
+            ShmError::Disabled => ErrorKind::Forbidden,
+            ShmError::Cuda => ErrorKind::Unsupported,
             ShmError::NotFound(_) => ErrorKind::NotFound,
             ShmError::InputTooLarge { .. } => ErrorKind::PayloadTooLarge,
             ShmError::OutOfMemory { .. } => ErrorKind::Overloaded,
@@ -217,6 +219,15 @@ impl SharedMemory {
         self.regions.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether clients may use shared memory here: `Disabled` when they may not.
+    pub fn allowed(&self) -> Result<(), ShmError> {
+        if self.allowed {
+            Ok(())
+        } else {
+            Err(ShmError::Disabled)
+        }
+    }
+
     /// Registers `byte_size` bytes at `offset` of the object `key` as region `name`.
     pub fn register(
         &self,
@@ -225,9 +236,7 @@ impl SharedMemory {
         offset: u64,
         byte_size: u64,
     ) -> Result<(), ShmError> {
-        if !self.allowed {
-            return Err(ShmError::Disabled);
-        }
+        self.allowed()?;
         if name.is_empty() || name.len() > MAX_NAME {
             return Err(ShmError::BadName(name.len()));
         }
@@ -307,18 +316,14 @@ impl SharedMemory {
     /// Unregisters `name` (nothing to do when it is not registered, as Triton). Requests
     /// reading or writing it finish first; its descriptor closes after them.
     pub fn unregister(&self, name: &str) -> Result<(), ShmError> {
-        if !self.allowed {
-            return Err(ShmError::Disabled);
-        }
+        self.allowed()?;
         self.table().remove(name);
         Ok(())
     }
 
     /// Unregisters every region.
     pub fn unregister_all(&self) -> Result<(), ShmError> {
-        if !self.allowed {
-            return Err(ShmError::Disabled);
-        }
+        self.allowed()?;
         self.close_all();
         Ok(())
     }
@@ -596,11 +601,11 @@ mod tests {
         let object = Object::new("off", 16);
         let shm = SharedMemory::new(false);
         let e = shm.register("r", &object.key, 0, 8).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        assert_eq!(e.kind(), ErrorKind::Forbidden);
         assert!(e.to_string().contains("--allow-client-shm=true"), "{e}");
         assert_eq!(
             shm.unregister_all().unwrap_err().kind(),
-            ErrorKind::Unsupported
+            ErrorKind::Forbidden
         );
         assert!(shm.status(None).unwrap().is_empty());
     }

@@ -1,7 +1,8 @@
 //! Slow and stalled clients: 300 uploads that send their headers and part of a file, then
 //! stop, hold no queue place (a normal `/predict` still gets its 200), and each is answered
 //! 408 `request_timeout` once its body budget runs out. A `Content-Length` over the limit
-//! is answered 413 before any of the body is sent. A preamble or a part's header block
+//! is answered 413 before any of the body is sent, and with `Expect: 100-continue` without
+//! the 100. A preamble or a part's header block
 //! that goes on and on is answered 400 as soon as it passes its limit.
 use crate::common;
 
@@ -102,6 +103,36 @@ async fn stalled_uploads_hold_no_queue_place_and_get_408() {
             "{path}"
         );
     }
+
+    // The same with `Expect: 100-continue`: 413 first, no `100 Continue` inviting the body,
+    // and the connection closed (what the client may still send is not read as a request).
+    // Within the limit, the 100 comes.
+    for (length, first) in [(max_body + 1, 413), (1000, 100)] {
+        let mut conn = TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "POST /predict HTTP/1.1\r\nHost: test\r\nExpect: 100-continue\r\n\
+             Content-Type: multipart/form-data; boundary=XyZ\r\nContent-Length: {length}\r\n\r\n"
+        );
+        conn.write_all(head.as_bytes()).await.unwrap();
+        assert_eq!(
+            status_of(&mut conn, Duration::from_secs(2)).await,
+            Some(first),
+            "Content-Length {length}"
+        );
+    }
+    let mut conn = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /v2/models/ensemble_model/infer HTTP/1.1\r\nHost: test\r\n\
+         Expect: 100-continue\r\nContent-Length: {}\r\n\r\n",
+        max_body + 1
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut got)).await;
+    assert!(closed.is_ok(), "the connection stays open after the 413");
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.starts_with("HTTP/1.1 413"), "{got}");
+    assert!(got.contains("\"code\":\"payload_too_large\""), "{got}");
 
     // A stalled KServe body times out too.
     let mut conn = TcpStream::connect(addr).await.unwrap();
