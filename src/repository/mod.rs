@@ -11,7 +11,7 @@ pub use parse::{model_config_json, parse_model_config, parse_model_config_json};
 pub(crate) use spec::model_kind;
 pub use spec::{
     BatchingSpec, ClassifierSpec, EnsembleSpec, GroupKind, InstanceGroupSpec, ModelKind,
-    PreprocessorSpec, QueuePolicySpec, ResizeMode, MAX_TIMED_BATCH_SIZES,
+    PreprocessorSpec, QueuePolicySpec, ResizeMode,
 };
 
 use crate::domain::{ModelName, ModelVersion};

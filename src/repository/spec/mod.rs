@@ -29,7 +29,6 @@ use ensemble::ensemble;
 use preprocessor::preprocessor;
 
 pub(super) use ensemble::check_ensembles;
-pub use scheduling::MAX_TIMED_BATCH_SIZES;
 pub(super) use versions::{available_versions, select_versions};
 
 /// Platform of TorchScript models, as Triton names it.

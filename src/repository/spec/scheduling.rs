@@ -9,7 +9,7 @@ use crate::repository::pb::{self, model_config::SchedulingChoice};
 use crate::repository::{Limits, RepositoryError};
 
 /// The most batch sizes each instance times at warm-up (`preferred_batch_size`).
-pub const MAX_TIMED_BATCH_SIZES: usize = 16;
+const MAX_TIMED_BATCH_SIZES: usize = 16;
 
 /// The most priority levels a model's queue has (`priority_levels`).
 const MAX_PRIORITY_LEVELS: u64 = 64;
