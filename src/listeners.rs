@@ -7,13 +7,11 @@ use std::time::Duration;
 use actix_http::{HttpMessage, HttpService, Request};
 use actix_service::{fn_service, map_config};
 use actix_web::dev::AppConfig;
-use actix_web::http::header;
 use actix_web::{web, App};
 use anyhow::Context;
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio_util::sync::CancellationToken;
 
-use crate::error::{ErrorKind, GatewayError};
 use crate::grpc;
 
 /// How long a listener gets to close once the requests under way are answered (or the
@@ -97,22 +95,8 @@ fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
 /// The answer to `Expect: 100-continue`: go on (the 100 is sent), unless the body the
 /// request announces is over the limit.
 async fn expect_continue(req: Request, max_body: u64) -> Result<Request, actix_web::Error> {
-    let length = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    match length {
-        Some(length) if length > max_body => Err(GatewayError::new(
-            ErrorKind::PayloadTooLarge,
-            format!(
-                "request body is larger than {max_body} bytes (Content-Length {length}); \
-                 not continuing"
-            ),
-        )
-        .into()),
-        _ => Ok(req),
-    }
+    crate::http::check_length(req.headers(), max_body)?;
+    Ok(req)
 }
 
 /// The gRPC server running in a task.

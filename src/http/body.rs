@@ -4,17 +4,17 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use actix_web::error::PayloadError;
-use actix_web::http::header;
+use actix_web::http::header::{self, HeaderMap};
 use actix_web::web::Bytes;
-use actix_web::HttpRequest;
 use futures_util::Stream;
 
 use crate::error::{ErrorKind, GatewayError};
 use crate::pace::{BodyPace, Budget, Step};
 
-/// `Content-Length` over `limit`: 413 before any of the body is read.
-pub fn check_length(req: &HttpRequest, limit: u64) -> Result<(), GatewayError> {
-    let Some(value) = req.headers().get(header::CONTENT_LENGTH) else {
+/// `Content-Length` over `limit`: 413 before any of the body is read (by a handler, or
+/// before the listener would answer `Expect: 100-continue`).
+pub fn check_length(headers: &HeaderMap, limit: u64) -> Result<(), GatewayError> {
+    let Some(value) = headers.get(header::CONTENT_LENGTH) else {
         return Ok(());
     };
     let length = value

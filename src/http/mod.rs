@@ -16,6 +16,7 @@ use actix_web::{web, HttpResponse};
 use crate::error::{ErrorKind, GatewayError};
 use crate::state::AppState;
 
+pub use body::check_length;
 pub use client::on_connect;
 pub use predict::{FileError, FileFailure, FileResult, PredictResponse, Prediction, Timing, TopK};
 

@@ -173,7 +173,7 @@ pub async fn predict(
 ) -> Result<HttpResponse, GatewayError> {
     // A stopping server finishes this request before it closes the listeners.
     let _work = state.drain.admit()?;
-    body::check_length(&req, state.limits.max_body_bytes)?;
+    body::check_length(req.headers(), state.limits.max_body_bytes)?;
     // A client that leaves drops its request here: its queued rows leave the queue and
     // the request counts as CANCELED (see `Admission`).
     tokio::select! {

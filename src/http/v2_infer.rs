@@ -57,7 +57,7 @@ pub async fn infer(
 ) -> Result<HttpResponse, GatewayError> {
     // A stopping server finishes this request before it closes the listeners.
     let _work = state.drain.admit()?;
-    body::check_length(&req, state.limits.max_body_bytes)?;
+    body::check_length(req.headers(), state.limits.max_body_bytes)?;
     let InferPath { model, version } = path.into_inner();
     run(req, model, version, payload, state).await
 }

@@ -303,10 +303,10 @@ pub fn plan_instances(
                 } else {
                     g.gpus.clone()
                 };
-                let present: Vec<Option<u32>> = wanted
+                let present: Vec<u32> = wanted
                     .iter()
-                    .filter(|&&i| (i as usize) < gpu_count)
-                    .map(|&i| Some(i))
+                    .copied()
+                    .filter(|&i| (i as usize) < gpu_count)
                     .collect();
                 if present.is_empty() {
                     if g.kind == GroupKind::Gpu {
@@ -318,12 +318,11 @@ pub fn plan_instances(
                     placed.push((g.count, vec![None]));
                 } else {
                     if present.len() < wanted.len() {
-                        let present: Vec<u32> = present.iter().flatten().copied().collect();
                         warnings.push(format!(
                             "KIND_GPU asks for GPUs {wanted:?}; only {present:?} exist, using those"
                         ));
                     }
-                    placed.push((g.count, present));
+                    placed.push((g.count, present.into_iter().map(Some).collect()));
                 }
             }
         }

@@ -308,6 +308,23 @@ fn model_file(
     field: &str,
     name: &str,
 ) -> Result<Option<PathBuf>, RepositoryError> {
+    let Some(resolved) = resolve_model_file(dir, sub, model, field, name)? else {
+        return Ok(None);
+    };
+    let kind = std::fs::metadata(&resolved).map_err(|e| model_file_io(model, sub, name, e))?;
+    regular_model_file(kind.file_type(), model, sub, field, name)?;
+    Ok(Some(resolved))
+}
+
+/// Where `name` leads once its symlinks are resolved, if it exists: refused unless it is a
+/// relative path that stays inside the model's directory. Its kind is the caller's to check.
+fn resolve_model_file(
+    dir: &Path,
+    sub: &str,
+    model: &str,
+    field: &str,
+    name: &str,
+) -> Result<Option<PathBuf>, RepositoryError> {
     let path = Path::new(name);
     let relative = !name.is_empty()
         && path
@@ -323,11 +340,7 @@ fn model_file(
             ),
         ));
     }
-    let shown = Path::new(model).join(sub).join(path);
-    let io = |source| RepositoryError::Io {
-        path: shown.clone(),
-        source,
-    };
+    let io = |e| model_file_io(model, sub, name, e);
     let resolved = match dir.join(sub).join(path).canonicalize() {
         Ok(p) => p,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -339,25 +352,45 @@ fn model_file(
             field,
             format!(
                 "{} leads out of the model's directory; put the file itself there",
-                shown.display()
+                Path::new(model).join(sub).join(name).display()
             ),
-        ));
-    }
-    let kind = std::fs::metadata(&resolved).map_err(io)?.file_type();
-    if !kind.is_file() {
-        return Err(invalid(
-            model,
-            field,
-            format!("{} is not a regular file", shown.display()),
         ));
     }
     Ok(Some(resolved))
 }
 
+/// A model file that is not a regular file (a FIFO, a device, a directory) is refused.
+fn regular_model_file(
+    kind: std::fs::FileType,
+    model: &str,
+    sub: &str,
+    field: &str,
+    name: &str,
+) -> Result<(), RepositoryError> {
+    if kind.is_file() {
+        return Ok(());
+    }
+    Err(invalid(
+        model,
+        field,
+        format!(
+            "{} is not a regular file",
+            Path::new(model).join(sub).join(name).display()
+        ),
+    ))
+}
+
+fn model_file_io(model: &str, sub: &str, name: &str, source: std::io::Error) -> RepositoryError {
+    RepositoryError::Io {
+        path: Path::new(model).join(sub).join(name),
+        source,
+    }
+}
+
 /// The first `max` bytes of the file `name` in the directory `sub` of model `model` (in
 /// `dir`), a [`model_file`] (a missing one is an I/O error naming it), and whether the file
-/// goes on past them. Opened without blocking and checked again once open, so a file
-/// swapped for a FIFO since cannot hold the read.
+/// goes on past them. Opened without blocking and its kind checked once open, so a FIFO
+/// (or a file swapped for one) cannot hold the read.
 pub(in crate::repository) fn read_model_file(
     dir: &Path,
     sub: &str,
@@ -368,25 +401,21 @@ pub(in crate::repository) fn read_model_file(
 ) -> Result<(Vec<u8>, bool), RepositoryError> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
-    let shown = Path::new(model).join(sub).join(name);
-    let io = |source| RepositoryError::Io {
-        path: shown.clone(),
-        source,
-    };
-    let path = model_file(dir, sub, model, field, name)?
+    let io = |e| model_file_io(model, sub, name, e);
+    let path = resolve_model_file(dir, sub, model, field, name)?
         .ok_or_else(|| io(std::io::ErrorKind::NotFound.into()))?;
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
         .open(&path)
         .map_err(io)?;
-    if !file.metadata().map_err(io)?.file_type().is_file() {
-        return Err(invalid(
-            model,
-            field,
-            format!("{} is not a regular file", shown.display()),
-        ));
-    }
+    regular_model_file(
+        file.metadata().map_err(io)?.file_type(),
+        model,
+        sub,
+        field,
+        name,
+    )?;
     let mut bytes = Vec::new();
     file.take(max as u64 + 1)
         .read_to_end(&mut bytes)
