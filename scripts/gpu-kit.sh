@@ -63,9 +63,11 @@ say "cargo build --release against torch $KIT_TORCH (tch $KIT_TCH; target: $KIT_
 rm -rf "$KIT"
 mkdir -p "$KIT/models" "$KIT/photos"
 strip --strip-all -o "$KIT/visiongate" "$KIT_HOME/target/release/visiongate"
-tar -C models --exclude='model.pt' --exclude='model.pt.stamp' --exclude='*.pt.tmp' -c . | tar -C "$KIT/models" -x
-"$py" scripts/export_model.py --repo "$KIT/models" > /dev/null
-rm -f "$KIT"/models/*/*/model.pt.stamp
+# TorchScript only: the kit travels within 64 MiB, and the GPU host has no ONNX Runtime.
+tar -C models --exclude='model.pt' --exclude='model.onnx' --exclude='*.stamp' --exclude='*.tmp' -c . \
+  | tar -C "$KIT/models" -x
+"$py" scripts/export_model.py --repo "$KIT/models" --formats model.pt > /dev/null
+rm -f "$KIT"/models/*/*/*.stamp
 # The 40 test photos (the registry set stays home: the kit travels within 64 MiB).
 tar -C tests/fixtures/photos --exclude=registry -c . | tar -C "$KIT/photos" -x
 cp scripts/gpu-check.sh "$KIT/gpu-check.sh"

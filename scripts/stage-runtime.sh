@@ -2,7 +2,7 @@
 # Gathers what the runtime image carries into DEST (the Dockerfile's build stage runs it
 # after setup.sh): the stripped binary, the model repository with its exported model, and
 # the libraries the binary loads from the venv, kept at their absolute paths under
-# DEST/opt so the binary's and libtorch's RUNPATHs still find them.
+# DEST/opt so the binary's and libtorch's RUNPATHs still find them, and ONNX Runtime's.
 #   scripts/stage-runtime.sh DEST
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -29,6 +29,14 @@ extra=$(ls "$site"/nvidia/cudnn/lib/libcudnn_*.so.* "$site"/nvidia/*/lib/libnvrt
 # Paths relative to / (coreutils 9.1's `cp --parents` mishandles absolute sources).
 (cd / && printf '%s\n' $libs $extra | sed 's|^/||' | sort -u | xargs cp -a --parents -t "$dest")
 echo "stage-runtime: $(printf '%s\n' $libs $extra | sort -u | wc -l) libraries, $(du -sh "$dest/opt" | cut -f1)"
+
+# ONNX Runtime (opened by the binary when an ONNX model loads): the venv's wheel's library,
+# self-contained, under the one name the image's VISIONGATE_ONNXRUNTIME_LIBRARY gives.
+[[ -f ${VISIONGATE_ONNXRUNTIME_LIBRARY:-} ]] \
+  || { echo "stage-runtime: no ONNX Runtime library in the venv (scripts/requirements.txt)" >&2; exit 1; }
+mkdir -p "$dest/opt/visiongate/lib"
+cp "$VISIONGATE_ONNXRUNTIME_LIBRARY" "$dest/opt/visiongate/lib/libonnxruntime.so"
+echo "stage-runtime: ONNX Runtime $(basename "$VISIONGATE_ONNXRUNTIME_LIBRARY")"
 
 strip --strip-debug -o "$dest/visiongate" "$VG_BIN"
 echo "stage-runtime: binary $(du -h "$VG_BIN" | cut -f1) -> $(du -h "$dest/visiongate" | cut -f1) stripped"

@@ -102,6 +102,22 @@ pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
+/// The `k` classes of `logits` with the largest values, best first (as `top_k` orders
+/// them), each with its softmax probability over all of `logits`: the host's
+/// classification, for engines whose outputs arrive on the host.
+pub fn classify(logits: &[f32], k: usize) -> Vec<ClassScore> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = logits.iter().map(|&v| (v - max).exp()).sum();
+    top_k(logits, k)
+        .into_iter()
+        .map(|c| ClassScore {
+            class_id: c as u32,
+            score: (logits[c] - max).exp() / sum,
+            value: logits[c],
+        })
+        .collect()
+}
+
 /// What happens to a request still queued when its timeout passes (Triton's
 /// `ModelQueuePolicy.timeout_action`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -176,6 +192,44 @@ impl std::fmt::Display for Precision {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.pad(self.as_str())
     }
+}
+
+/// The runtime that runs a classifier's model file, as its config's `platform` (or
+/// `backend`) names it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Runtime {
+    /// `pytorch_libtorch`: a TorchScript file (`model.pt`) on libtorch.
+    #[default]
+    TorchScript,
+    /// `onnxruntime_onnx`: an ONNX file (`model.onnx`) on ONNX Runtime, with the session
+    /// options of Triton's onnxruntime backend.
+    Onnx(OnnxOptions),
+}
+
+/// An ONNX Runtime session's options, from the parameters and `optimization` of Triton's
+/// onnxruntime backend.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OnnxOptions {
+    /// `intra_op_thread_count`: `None` when unset (visiongate's `--intra-op-threads`, as
+    /// for libtorch), `Some(0)` for ONNX Runtime's own default (a thread per core).
+    pub intra_op_threads: Option<usize>,
+    /// `inter_op_thread_count` (used by parallel execution only); `None`: ONNX Runtime's.
+    pub inter_op_threads: Option<usize>,
+    /// `execution_mode: 1`: independent branches of the graph run in parallel.
+    pub parallel: bool,
+    /// `optimization { graph { level } }`.
+    pub graph_level: GraphLevel,
+}
+
+/// ONNX Runtime's graph optimizations (Triton's `optimization.graph.level`: -1 basic, 1
+/// extended, 2 none, anything else all).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum GraphLevel {
+    Disabled,
+    Basic,
+    Extended,
+    #[default]
+    All,
 }
 
 /// How the built-in preprocessor resamples an image to the model's size (its

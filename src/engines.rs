@@ -1,6 +1,7 @@
-//! Which engine runs the classifiers, and the one factory every instance thread calls to
-//! load its engine: libtorch (with why CUDA cannot start on a host whose GPUs it cannot
-//! use) or the deterministic fake of the tests. A new model runtime joins here.
+//! Which engines run the classifiers, and the one factory every instance thread calls to
+//! load its engine: the runtime a model's platform names (libtorch, with why CUDA cannot
+//! start on a host whose GPUs it cannot use, or ONNX Runtime), or the deterministic fake of
+//! the tests. A new model runtime joins here.
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -8,17 +9,20 @@ use crate::config::EngineSettings;
 #[cfg(feature = "torch")]
 use crate::config::Tf32;
 #[cfg(feature = "torch")]
+use crate::domain::Runtime;
+#[cfg(feature = "torch")]
 use crate::engine::{self, cuda_host, TorchEngine};
 use crate::engine::{Engine, FakeFaults};
 use crate::scheduler::EngineFactory;
 #[cfg(feature = "torch")]
 use crate::telemetry;
 
-/// Which engine runs the classifiers.
+/// Which engines run the classifiers.
 #[derive(Clone)]
 pub enum EngineChoice {
-    /// libtorch, loading each model's TorchScript file.
-    Torch,
+    /// The runtime each model's platform names: libtorch for TorchScript, ONNX Runtime for
+    /// ONNX.
+    Runtimes,
     /// The deterministic fake (tests): `num_classes` classes, `latency` per batch, and the
     /// faults a test orders.
     Fake {
@@ -39,13 +43,14 @@ pub struct Engines {
 }
 
 impl Engines {
-    /// The engines of `choice` (libtorch's intra-op threads and TF32 as `settings` say).
+    /// The engines of `choice` (intra-op threads, TF32 and the ONNX Runtime library as
+    /// `settings` say).
     pub fn new(choice: EngineChoice, settings: EngineSettings) -> anyhow::Result<Engines> {
         match choice {
             #[cfg(feature = "torch")]
-            EngineChoice::Torch => torch(settings.intra_op_threads, settings.tf32),
+            EngineChoice::Runtimes => runtimes(settings),
             #[cfg(not(feature = "torch"))]
-            EngineChoice::Torch => {
+            EngineChoice::Runtimes => {
                 let _ = settings;
                 anyhow::bail!("this build has no libtorch (the `torch` feature)")
             }
@@ -54,8 +59,8 @@ impl Engines {
                 latency,
                 faults,
             } => Ok(Engines {
-                factory: Arc::new(move |path, _, _| {
-                    Ok(Box::new(faults.load(path, num_classes, latency)?) as Box<dyn Engine>)
+                factory: Arc::new(move |spec, _| {
+                    Ok(Box::new(faults.load(&spec.file, num_classes, latency)?) as Box<dyn Engine>)
                 }),
                 gpu_count: 0,
                 unusable_gpus: 0,
@@ -65,7 +70,12 @@ impl Engines {
 }
 
 #[cfg(feature = "torch")]
-fn torch(intra_op_threads: usize, tf32: Tf32) -> anyhow::Result<Engines> {
+fn runtimes(settings: EngineSettings) -> anyhow::Result<Engines> {
+    let EngineSettings {
+        intra_op_threads,
+        tf32,
+        onnxruntime_library,
+    } = settings;
     let torch_gpus = engine::cuda_device_count();
     match cuda_host::cuda_support() {
         cuda_host::CudaSupport::Loaded => {
@@ -97,24 +107,56 @@ fn torch(intra_op_threads: usize, tf32: Tf32) -> anyhow::Result<Engines> {
         );
     }
     let unusable_gpus = if problem.is_some() { host_gpus } else { 0 };
-    let factory: EngineFactory = Arc::new(move |path, id, precision| {
-        if let (Some(why), Some(_)) = (&problem, id.gpu) {
-            return Err(engine::EngineError::Load {
-                path: format!("instance {id}"),
-                message: format!("CUDA cannot start on this host: {why}"),
-            });
+    let factory: EngineFactory = Arc::new(move |spec, id| match spec.runtime {
+        Runtime::TorchScript => {
+            if let (Some(why), Some(_)) = (&problem, id.gpu) {
+                return Err(engine::EngineError::Load {
+                    path: format!("instance {id}"),
+                    message: format!("CUDA cannot start on this host: {why}"),
+                });
+            }
+            // Per thread: libtorch's intra-op pool size is a thread-local setting. GPU
+            // instances too, so the little CPU work they do (the copy into the staging
+            // buffer) never spreads over the cores decoding needs.
+            tch::set_num_threads(intra_op_threads as i32);
+            Ok(Box::new(TorchEngine::load(&spec.file, id.gpu, spec.precision)?) as Box<dyn Engine>)
         }
-        // Per thread: libtorch's intra-op pool size is a thread-local setting. GPU
-        // instances too, so the little CPU work they do (the copy into the staging buffer)
-        // never spreads over the cores decoding needs.
-        tch::set_num_threads(intra_op_threads as i32);
-        Ok(Box::new(TorchEngine::load(path, id.gpu, precision)?) as Box<dyn Engine>)
+        Runtime::Onnx(options) => onnx(
+            spec,
+            options,
+            id.gpu,
+            intra_op_threads,
+            onnxruntime_library.as_deref(),
+        ),
     });
     Ok(Engines {
         factory,
         gpu_count: torch_gpus,
         unusable_gpus,
     })
+}
+
+/// An ONNX Runtime engine, or why this build has none.
+#[cfg(feature = "torch")]
+fn onnx(
+    spec: &engine::EngineSpec,
+    options: crate::domain::OnnxOptions,
+    gpu: Option<u32>,
+    threads: usize,
+    library: Option<&std::path::Path>,
+) -> Result<Box<dyn Engine>, engine::EngineError> {
+    #[cfg(feature = "onnx")]
+    return Ok(Box::new(engine::OnnxEngine::load(
+        spec, options, gpu, threads, library,
+    )?));
+    #[cfg(not(feature = "onnx"))]
+    {
+        let _ = (options, gpu, threads, library);
+        Err(engine::EngineError::Load {
+            path: engine::repository_relative(&spec.file),
+            message: "this build has no ONNX Runtime (the `onnx` feature)".into(),
+        })
+    }
 }
 
 /// The NVIDIA GPUs the driver sees (NVML), logged beside libtorch's view.

@@ -60,7 +60,7 @@ impl Gateway {
     pub async fn start(settings: Settings, engine: EngineChoice) -> anyhow::Result<Gateway> {
         let scan = repository::scan(&settings.control.repositories, &settings.control.limits)
             .context("reading the model repository")?;
-        let engines = Engines::new(engine, settings.engine)?;
+        let engines = Engines::new(engine, settings.engine.clone())?;
         let decode_threads = decode_threads(&settings, &scan, &engines);
         let state = web::Data::new(build_state(&settings, scan, engines, decode_threads));
         let background = CancellationToken::new();
@@ -320,7 +320,7 @@ pub async fn run(
     shutdown: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
     let exit_on_error = settings.exit_on_error;
-    let gateway = Gateway::start(settings, EngineChoice::Torch).await?;
+    let gateway = Gateway::start(settings, EngineChoice::Runtimes).await?;
     tokio::select! {
         failures = gateway.startup_failures() => {
             failures.iter().for_each(|f| tracing::error!("{f}"));

@@ -253,11 +253,19 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_DECODE_MEMORY_BYTES", default_value_t = 0)]
     pub decode_memory_bytes: u64,
 
-    /// libtorch intra-op threads per model instance. 1 is best when there are as many CPU
+    /// Intra-op threads per model instance (libtorch's, and ONNX Runtime's where a model's
+    /// config sets no intra_op_thread_count). 1 is best when there are as many CPU
     /// instances as cores: more threads per instance spin-wait against each other. GPU
     /// instances keep to it too, leaving the cores to decoding.
     #[arg(long, env = "VISIONGATE_INTRA_OP_THREADS", default_value_t = 1)]
     pub intra_op_threads: usize,
+
+    /// The ONNX Runtime shared library ONNX models run on (PyPI's onnxruntime wheel has it
+    /// as onnxruntime/capi/libonnxruntime.so.VERSION; `make setup` installs it and
+    /// scripts/env.sh points here). Opened when the first ONNX model loads. Unset: the
+    /// dynamic linker's search for libonnxruntime.so.
+    #[arg(long, env = "VISIONGATE_ONNXRUNTIME_LIBRARY")]
+    pub onnxruntime_library: Option<PathBuf>,
 
     /// TF32 on NVIDIA GPUs that have it (Ampere and later): FP32 convolutions and matmuls
     /// with a 10-bit mantissa, several times faster. `default` keeps libtorch's choice (on
@@ -266,10 +274,10 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_TF32", value_enum, default_value = "default")]
     pub tf32: Tf32,
 
-    /// Every classifier's precision, instead of its config's `precision` parameter: `fp32`,
-    /// `bf16` (autocast: convolutions and matmuls in bfloat16; CPUs with AVX-512 BF16 or
-    /// AMX, and GPUs) or `fp16` (GPUs only). A model whose device cannot run it fails its
-    /// load saying so.
+    /// Every TorchScript classifier's precision, instead of its config's `precision`
+    /// parameter: `fp32`, `bf16` (autocast: convolutions and matmuls in bfloat16; CPUs with
+    /// AVX-512 BF16 or AMX, and GPUs) or `fp16` (GPUs only). A model whose device cannot run
+    /// it fails its load saying so. ONNX models keep fp32 (logged).
     #[arg(long, env = "VISIONGATE_PRECISION", value_parser = precision)]
     pub precision: Option<Precision>,
 
@@ -500,11 +508,13 @@ pub struct Listen {
 }
 
 /// How the engines run.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct EngineSettings {
-    /// libtorch's intra-op threads per instance.
+    /// Intra-op threads per instance (libtorch's; ONNX Runtime's unless a config sets them).
     pub intra_op_threads: usize,
     pub tf32: Tf32,
+    /// The ONNX Runtime library (`None`: the dynamic linker's search).
+    pub onnxruntime_library: Option<PathBuf>,
 }
 
 /// What every model gets unless its config says otherwise.
@@ -680,6 +690,7 @@ impl Config {
             engine: EngineSettings {
                 intra_op_threads: self.intra_op_threads,
                 tf32: self.tf32,
+                onnxruntime_library: self.onnxruntime_library.clone(),
             },
             models: ModelDefaults {
                 max_queue_size: self.max_queue_size,

@@ -6,30 +6,21 @@ pub mod cuda;
 #[cfg(feature = "torch")]
 pub mod cuda_host;
 mod fake;
+#[cfg(feature = "onnx")]
+mod onnx;
 #[cfg(feature = "torch")]
 mod torch;
 
 pub use fake::{FakeEngine, FakeFaults, Gate};
+#[cfg(feature = "onnx")]
+pub use onnx::{OnnxEngine, ONNXRUNTIME_VERSION};
 #[cfg(feature = "torch")]
-pub use torch::{cpu_runs_bf16, cuda_device_count, normalize_on_cpu, TorchEngine};
+pub use torch::{cpu_runs_bf16, cuda_device_count, TorchEngine};
 
-/// A build without libtorch (the fuzz targets') normalizes nothing: the one normalization
-/// is libtorch's, so that every path computes the same values.
-#[cfg(not(feature = "torch"))]
-pub fn normalize_on_cpu(
-    _data: &[u8],
-    _height: usize,
-    _width: usize,
-    _normalize: Normalize,
-) -> Result<Vec<f32>, EngineError> {
-    Err(EngineError::Execution(
-        "this build has no libtorch (the `torch` feature)".into(),
-    ))
-}
-
+use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::domain::{ClassScore, Normalize};
+use crate::domain::{ClassScore, Normalize, Precision, Runtime};
 use crate::error::{ErrorKind, HasKind};
 
 /// The rows of one batch, contiguous.
@@ -170,5 +161,108 @@ impl std::fmt::Display for Device {
             Device::Cuda(i) => write!(f, "cuda:{i}"),
             Device::Fake => f.write_str("fake"),
         }
+    }
+}
+
+/// What an instance's engine loads: the model file, the runtime that runs it, and the
+/// tensors its config declares, which the engine checks the file against where the runtime
+/// says what the graph takes.
+#[derive(Debug, Clone)]
+pub struct EngineSpec {
+    pub file: PathBuf,
+    pub runtime: Runtime,
+    /// What its convolutions and matmuls run in.
+    pub precision: Precision,
+    /// The FP32 `[N, 3, height, width]` input's name.
+    pub input: String,
+    pub height: usize,
+    pub width: usize,
+    /// The FP32 `[N, classes]` output's name.
+    pub output: String,
+    pub num_classes: usize,
+}
+
+/// A model file's path from its model directory on (`<model>/<version>/<file>`): how load
+/// errors name it, since they reach clients (the repository index, a failed load).
+#[cfg(any(feature = "torch", feature = "onnx"))]
+pub(crate) fn repository_relative(path: &std::path::Path) -> String {
+    let parts: Vec<_> = path.components().rev().take(3).collect();
+    parts
+        .into_iter()
+        .rev()
+        .map(|c| c.as_os_str().to_string_lossy())
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// `rows` u8 NHWC RGB images of `height` x `width`, normalized on the host into `out`
+/// (cleared first): f32 NCHW `(x / 255 - mean) / std`, in the order torchvision computes
+/// it, the same values libtorch computes on its device.
+pub fn normalize_into(
+    data: &[u8],
+    height: usize,
+    width: usize,
+    normalize: Normalize,
+    out: &mut Vec<f32>,
+) {
+    let plane = height * width;
+    let rows = data.len() / (plane * 3);
+    // Each channel's 256 possible values, computed once per batch (the same operations on
+    // the same operands, so the same values): the pass over the pixels is a lookup.
+    let table: [[f32; 256]; 3] = std::array::from_fn(|c| {
+        let (mean, std) = (normalize.mean[c], normalize.std[c]);
+        std::array::from_fn(|v| (v as f32 / 255.0 - mean) / std)
+    });
+    out.clear();
+    out.resize(rows * plane * 3, 0.0);
+    for (image, dst) in data
+        .chunks_exact(plane * 3)
+        .zip(out.chunks_exact_mut(plane * 3))
+    {
+        let (r, rest) = dst.split_at_mut(plane);
+        let (g, b) = rest.split_at_mut(plane);
+        for (i, pixel) in image.chunks_exact(3).enumerate() {
+            r[i] = table[0][pixel[0] as usize];
+            g[i] = table[1][pixel[1] as usize];
+            b[i] = table[2][pixel[2] as usize];
+        }
+    }
+}
+
+/// `normalize_into` a new vector, for the preprocessor model's own output.
+pub fn normalize_on_cpu(
+    data: &[u8],
+    height: usize,
+    width: usize,
+    normalize: Normalize,
+) -> Vec<f32> {
+    let mut out = Vec::new();
+    normalize_into(data, height, width, normalize, &mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_normalization_is_nchw_of_x_over_255_minus_mean_over_std() {
+        // One 1x2 image: pixels (0, 128, 255) and (51, 102, 204).
+        let data = [0u8, 128, 255, 51, 102, 204];
+        let n = Normalize {
+            mean: [0.5, 0.4, 0.3],
+            std: [0.2, 0.25, 0.5],
+        };
+        let out = normalize_on_cpu(&data, 1, 2, n);
+        let f = |v: u8, c: usize| (v as f32 / 255.0 - n.mean[c]) / n.std[c];
+        let want = [
+            f(0, 0),
+            f(51, 0),
+            f(128, 1),
+            f(102, 1),
+            f(255, 2),
+            f(204, 2),
+        ];
+        assert_eq!(out, want);
     }
 }

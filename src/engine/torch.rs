@@ -83,17 +83,6 @@ fn autocast_kind(precision: Precision, device: Device) -> Result<Option<Kind>, S
     }
 }
 
-/// A model file's path from its model directory on: `<model>/<version>/<file>`.
-fn repository_relative(path: &Path) -> String {
-    let parts: Vec<_> = path.components().rev().take(3).collect();
-    parts
-        .into_iter()
-        .rev()
-        .map(|c| c.as_os_str().to_string_lossy())
-        .collect::<Vec<_>>()
-        .join("/")
-}
-
 fn exec(e: tch::TchError) -> EngineError {
     EngineError::Execution(e.to_string())
 }
@@ -106,7 +95,7 @@ impl TorchEngine {
         // Said relative to the repository (`<model>/<version>/<file>`), torch's message to
         // its first line: load errors reach clients (the repository index, a failed load).
         let full = path.display().to_string();
-        let shown = repository_relative(path);
+        let shown = super::repository_relative(path);
         let load_error = |message: String| EngineError::Load {
             message: message
                 .lines()
@@ -376,32 +365,14 @@ impl TorchEngine {
 }
 
 /// u8 NHWC images to f32 NCHW `(x / 255 - mean) / std`, in the order torchvision does it,
-/// on the device `x` is on (`mean`, `std`: `[1, 3, 1, 1]` there). The crate's one
-/// normalization: the engine runs it on its device, `normalize_on_cpu` for the preprocessor
-/// model's own output.
+/// on the device `x` is on (`mean`, `std`: `[1, 3, 1, 1]` there): the same values as
+/// `engine::normalize_into` on the host (a test holds them equal).
 fn normalized(x: &Tensor, mean: &Tensor, std: &Tensor) -> Result<Tensor, tch::TchError> {
     x.f_permute([0, 3, 1, 2])?
         .f_to_kind(Kind::Float)?
         .f_div_scalar(255.0)?
         .f_sub(mean)?
         .f_div(std)
-}
-
-/// `rows` u8 HWC images of `height` x `width`, normalized on the CPU: f32 NCHW values.
-pub fn normalize_on_cpu(
-    data: &[u8],
-    height: usize,
-    width: usize,
-    normalize: Normalize,
-) -> Result<Vec<f32>, EngineError> {
-    let run = || -> Result<Vec<f32>, tch::TchError> {
-        let rows = (data.len() / (height * width * 3)) as i64;
-        let x = Tensor::f_from_slice(data)?.f_view([rows, height as i64, width as i64, 3])?;
-        let channel = |v: &[f32; 3]| Tensor::f_from_slice(v)?.f_view([1, 3, 1, 1]);
-        let y = normalized(&x, &channel(&normalize.mean)?, &channel(&normalize.std)?)?;
-        Vec::<f32>::try_from(&y.f_contiguous()?.f_flatten(0, -1)?)
-    };
-    run().map_err(exec)
 }
 
 impl Engine for TorchEngine {
@@ -430,23 +401,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn cpu_normalization_is_nchw_of_x_over_255_minus_mean_over_std() {
-        // One 1x2 image: pixels (0, 128, 255) and (51, 102, 204).
-        let data = [0u8, 128, 255, 51, 102, 204];
+    fn libtorch_normalizes_every_value_as_the_host_does() {
+        // Every u8 value in each channel, with the bundled preprocessor's constants.
+        let data: Vec<u8> = (0..=255u8).flat_map(|v| [v, 255 - v, v / 2]).collect();
         let n = Normalize {
-            mean: [0.5, 0.4, 0.3],
-            std: [0.2, 0.25, 0.5],
+            mean: [0.485, 0.456, 0.406],
+            std: [0.229, 0.224, 0.225],
         };
-        let out = normalize_on_cpu(&data, 1, 2, n).unwrap();
-        let f = |v: u8, c: usize| (v as f32 / 255.0 - n.mean[c]) / n.std[c];
-        let want = [
-            f(0, 0),
-            f(51, 0),
-            f(128, 1),
-            f(102, 1),
-            f(255, 2),
-            f(204, 2),
-        ];
-        assert_eq!(out, want);
+        let x = Tensor::from_slice(&data).view([1, 1, 256, 3]);
+        let channel = |v: &[f32; 3]| Tensor::from_slice(v).view([1, 3, 1, 1]);
+        let torch = normalized(&x, &channel(&n.mean), &channel(&n.std)).unwrap();
+        let torch = Vec::<f32>::try_from(&torch.contiguous().flatten(0, -1)).unwrap();
+        assert_eq!(torch, super::super::normalize_on_cpu(&data, 1, 256, n));
     }
 }

@@ -508,7 +508,7 @@ fn preprocessed_outputs(
         )));
     }
     let pixels: Vec<u8> = rows.iter().flat_map(|row| row.iter().copied()).collect();
-    let data: Vec<u8> = crate::engine::normalize_on_cpu(&pixels, h, w, *normalize)?
+    let data: Vec<u8> = crate::engine::normalize_on_cpu(&pixels, h, w, *normalize)
         .iter()
         .flat_map(|v| v.to_le_bytes())
         .collect();

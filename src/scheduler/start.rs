@@ -13,34 +13,27 @@ use super::handle::Inner;
 use super::instance::{instance_loop, Ended, InstanceContext, Slot};
 use super::tuning::{self, BatchSizeChoice, Tuned};
 use super::{BatchPolicy, ModelHandle, ModelState, ResponseCache};
-use crate::domain::{InstanceId, ModelName, ModelVersion, Precision, WarmupSample};
-use crate::engine::{Engine, EngineError};
+use crate::domain::{InstanceId, ModelName, ModelVersion, WarmupSample};
+use crate::engine::{Engine, EngineError, EngineSpec};
 use crate::telemetry::Metrics;
 
-/// Builds the engine of one instance, running the model file in a precision; called on
-/// that instance's own thread.
-pub type EngineFactory = Arc<
-    dyn Fn(&std::path::Path, InstanceId, Precision) -> Result<Box<dyn Engine>, EngineError>
-        + Send
-        + Sync,
->;
+/// Builds the engine of one instance as its `EngineSpec` says; called on that instance's
+/// own thread.
+pub type EngineFactory =
+    Arc<dyn Fn(&EngineSpec, InstanceId) -> Result<Box<dyn Engine>, EngineError> + Send + Sync>;
 
 #[derive(Debug, Clone)]
 pub struct ModelSettings {
     pub name: ModelName,
     pub version: ModelVersion,
     pub instances: Vec<InstanceId>,
-    /// The model file each instance loads.
-    pub model_file: std::path::PathBuf,
-    /// What its convolutions and matmuls run in.
-    pub precision: Precision,
+    /// What each instance loads: the model file, its runtime, precision and tensors.
+    pub engine: EngineSpec,
     /// Batching, and per priority level the queue's capacity (requests that may wait;
     /// one more is refused with `Overloaded`) and timeouts.
     pub policy: BatchPolicy,
     /// `Some` when the model's `response_cache` is enabled.
     pub cache: Option<Arc<ResponseCache>>,
-    pub height: usize,
-    pub width: usize,
     /// How each instance picks the batch size it asks the batcher for.
     pub batch_size: BatchSizeChoice,
     /// The config's `model_warmup` samples, run by each instance before it serves.
@@ -110,15 +103,15 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         let (done_tx, done_rx) = oneshot::channel::<Result<(String, usize), String>>();
         loaded.push((id, done_rx));
         let factory = factory.clone();
-        let (model_file, precision) = (settings.model_file.clone(), settings.precision);
+        let spec = settings.engine.clone();
         let slots = slots_tx.clone();
         let ctx = InstanceContext {
             model: name.clone(),
             series: series.clone(),
             executions: settings.metrics.instance_executions(&name, &id.to_string()),
             id,
-            height: settings.height,
-            width: settings.width,
+            height: settings.engine.height,
+            width: settings.engine.width,
         };
         let choice = settings.batch_size.clone();
         let tuned = tuned.clone();
@@ -133,7 +126,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
                 let start = || {
                     std::panic::catch_unwind(AssertUnwindSafe(|| {
                         let _alone = id.gpu.is_none().then(tuning::cpu_start_alone);
-                        let mut engine = factory(&model_file, id, precision).map_err(|e| e.to_string())?;
+                        let mut engine = factory(&spec, id).map_err(|e| e.to_string())?;
                         let target = tuning::prepare(engine.as_mut(), &ctx, &choice, &tuned, &samples)?;
                         Ok::<_, String>((engine, target))
                     }))

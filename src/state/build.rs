@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::{ModelTable, Registry, ServedModel};
-use crate::domain::{InstanceId, ModelName, Precision};
+use crate::domain::{InstanceId, ModelName, Precision, Runtime};
+use crate::engine::EngineSpec;
 use crate::pipeline::ImagePipeline;
 use crate::preprocess::PreprocessSettings;
 use crate::repository::{
@@ -97,12 +98,18 @@ impl Registry {
                         name: m.name.clone(),
                         version: m.version,
                         instances,
-                        model_file: spec.model_file.clone(),
-                        precision: opts.precision.unwrap_or(spec.precision),
+                        engine: EngineSpec {
+                            file: spec.model_file.clone(),
+                            runtime: spec.runtime,
+                            precision: precision(spec, opts.precision),
+                            input: spec.input_name.clone(),
+                            height: spec.height,
+                            width: spec.width,
+                            output: spec.output_name.clone(),
+                            num_classes: spec.num_classes,
+                        },
                         policy: batch_policy(spec, opts.default_queue_size),
                         cache: spec.response_cache.then(|| opts.cache.clone()),
-                        height: spec.height,
-                        width: spec.width,
                         batch_size: batch_size_choice(spec),
                         warmup: spec.warmup.clone(),
                         fallback,
@@ -130,6 +137,22 @@ impl Registry {
         }
         link_ensembles(table);
         started
+    }
+}
+
+/// The precision a classifier runs in: `--precision` over its config's, for the runtimes
+/// that offer reduced precisions (libtorch); an ONNX model keeps its config's (FP32 unless
+/// it asks otherwise, which fails its load), the flag logged as not applied to it.
+fn precision(spec: &ClassifierSpec, flag: Option<Precision>) -> Precision {
+    match (spec.runtime, flag) {
+        (Runtime::Onnx(_), Some(p)) if p != spec.precision => {
+            tracing::warn!(
+                "--precision={p} does not apply to ONNX models: they run in {}",
+                spec.precision
+            );
+            spec.precision
+        }
+        (_, flag) => flag.unwrap_or(spec.precision),
     }
 }
 

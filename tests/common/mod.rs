@@ -19,7 +19,7 @@ pub struct TestGateway {
 impl TestGateway {
     /// The real model (libtorch on CPU) with `config`.
     pub async fn start(config: Config) -> TestGateway {
-        Self::start_with(config, EngineChoice::Torch).await
+        Self::start_with(config, EngineChoice::Runtimes).await
     }
 
     pub async fn start_with(config: Config, engine: EngineChoice) -> TestGateway {

@@ -381,7 +381,7 @@ async fn failed_reload_keeps_the_previous_version_serving() {
     // The real engine: version 2's model file is not TorchScript, so its load fails.
     let repo = temp_repository("failed-reload", |m, t| with_preferred(m, t, "[ 2 ]"));
     let gw =
-        TestGateway::start_with(explicit(&repo, &["ensemble_model"]), EngineChoice::Torch).await;
+        TestGateway::start_with(explicit(&repo, &["ensemble_model"]), EngineChoice::Runtimes).await;
     let cat = common::photo("small", "sk_chelsea.jpg");
     let before = gw.predict("", std::slice::from_ref(&cat)).await;
     assert_eq!(before.status, 200, "{}", before.json);

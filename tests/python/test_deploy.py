@@ -106,7 +106,8 @@ def test_dockerfile_builds_with_the_readme_setup_and_ships_a_lean_runtime():
     assert any(c.cmd == "RUN" and "/usr/local/bin/tritonserver" in c.value[0] for c in runtime)
     # What the build context leaves out.
     ignored = (ROOT / ".dockerignore").read_text().split()
-    for path in (".git", "target", ".libtorch", "gpu-kit", "tests", "Dockerfile", "models/*/[0-9]*/model.pt"):
+    for path in (".git", "target", ".libtorch", "gpu-kit", "tests/*", "Dockerfile", "models/*/[0-9]*/model.pt",
+                 "models/*/[0-9]*/model.onnx"):
         assert path in ignored, path
 
 

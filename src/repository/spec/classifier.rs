@@ -1,5 +1,6 @@
-//! A TorchScript classifier's config: its one FP32 image input and logits output, labels,
-//! model file, warmup samples and precision (its scheduling is in `scheduling`).
+//! A classifier's config: its one FP32 image input and logits output, labels, model file,
+//! warmup samples and precision (its scheduling is in `scheduling`), and an ONNX model's
+//! session options.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -9,7 +10,9 @@ use super::{
     exactly_one, invalid, model_file, read_model_file, read_whole_model_file, unsupported,
     ClassifierSpec,
 };
-use crate::domain::{ModelVersion, Precision, WarmupData, WarmupSample};
+use crate::domain::{
+    GraphLevel, ModelVersion, OnnxOptions, Precision, Runtime, WarmupData, WarmupSample,
+};
 use crate::repository::{pb, Limits, RepositoryError};
 
 pub(super) fn classifier(
@@ -18,6 +21,7 @@ pub(super) fn classifier(
     c: &pb::ModelConfig,
     version: ModelVersion,
     limits: &Limits,
+    runtime: Runtime,
 ) -> Result<ClassifierSpec, RepositoryError> {
     if c.max_batch_size < 1 {
         return Err(invalid(
@@ -108,8 +112,12 @@ pub(super) fn classifier(
         )?))
     };
 
+    let (file_name, format) = match runtime {
+        Runtime::TorchScript => ("model.pt", "a TorchScript file"),
+        Runtime::Onnx(_) => ("model.onnx", "an ONNX file"),
+    };
     let file_name = if c.default_model_filename.is_empty() {
-        "model.pt"
+        file_name
     } else {
         c.default_model_filename.as_str()
     };
@@ -126,8 +134,8 @@ pub(super) fn classifier(
             model,
             "default_model_filename",
             format!(
-                "{} is missing; run `make setup` (it exports the bundled model) or put a \
-                 TorchScript file there",
+                "{} is missing; run `make setup` (it exports the bundled model) or put \
+                 {format} there",
                 Path::new(model).join(version_dir).join(file_name).display()
             ),
         ));
@@ -135,6 +143,7 @@ pub(super) fn classifier(
 
     Ok(ClassifierSpec {
         model_file,
+        runtime,
         max_batch_size: c.max_batch_size as usize,
         input_name: input.name.clone(),
         height: height as usize,
@@ -147,6 +156,83 @@ pub(super) fn classifier(
         response_cache: c.response_cache.as_ref().is_some_and(|r| r.enable),
         warmup: warmup(dir, model, c, input, limits)?,
         precision: precision(model, c)?,
+    })
+}
+
+/// The most threads a config may ask one ONNX Runtime session for, per pool.
+const MAX_SESSION_THREADS: usize = 256;
+
+/// Parameters of Triton's onnxruntime backend that visiongate's sessions do not apply: the
+/// model loads, and the log says so.
+const ONNX_PARAMETERS_NOT_APPLIED: &[&str] = &[
+    "enable_mem_arena",
+    "enable_mem_pattern",
+    "memory.enable_memory_arena_shrinkage",
+    "session.use_device_allocator_for_initializers",
+    "cudnn_conv_algo_search",
+    "gpu_mem_limit",
+    "arena_extend_strategy",
+    "do_copy_in_default_stream",
+];
+
+/// An ONNX model's session options, from the parameters Triton's onnxruntime backend
+/// documents (`intra_op_thread_count`, `inter_op_thread_count`, `execution_mode`) and
+/// `optimization { graph { level } }`.
+pub(super) fn onnx_options(
+    model: &str,
+    c: &pb::ModelConfig,
+) -> Result<OnnxOptions, RepositoryError> {
+    let threads = |key: &str| -> Result<Option<usize>, RepositoryError> {
+        let Some(p) = c.parameters.get(key) else {
+            return Ok(None);
+        };
+        match p.string_value.trim().parse::<usize>() {
+            Ok(n) if n <= MAX_SESSION_THREADS => Ok(Some(n)),
+            _ => Err(invalid(
+                model,
+                &format!("parameters[{key}]"),
+                format!(
+                    "'{}' is not a thread count: 0 (ONNX Runtime's default) to \
+                     {MAX_SESSION_THREADS}",
+                    p.string_value
+                ),
+            )),
+        }
+    };
+    let parallel = match c.parameters.get("execution_mode") {
+        None => false,
+        Some(p) => match p.string_value.trim() {
+            "0" => false,
+            "1" => true,
+            other => {
+                return Err(invalid(
+                    model,
+                    "parameters[execution_mode]",
+                    format!("'{other}' is not an execution mode: 0 (sequential) or 1 (parallel)"),
+                ))
+            }
+        },
+    };
+    for key in ONNX_PARAMETERS_NOT_APPLIED {
+        if c.parameters.contains_key(*key) {
+            tracing::warn!(
+                model,
+                parameter = key,
+                "ONNX Runtime parameter not applied: visiongate's sessions keep their default"
+            );
+        }
+    }
+    let graph_level = match c.optimization.as_ref().and_then(|o| o.graph.as_ref()) {
+        Some(g) if g.level == -1 => GraphLevel::Basic,
+        Some(g) if g.level == 1 => GraphLevel::Extended,
+        Some(g) if g.level == 2 => GraphLevel::Disabled,
+        _ => GraphLevel::All,
+    };
+    Ok(OnnxOptions {
+        intra_op_threads: threads("intra_op_thread_count")?,
+        inter_op_threads: threads("inter_op_thread_count")?.filter(|&n| n > 0),
+        parallel,
+        graph_level,
     })
 }
 
@@ -304,8 +390,84 @@ fn read_labels(
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_support::classifier_with;
+    use super::super::test_support::{classifier_config, classifier_with, CLASSIFIER};
     use super::*;
+
+    fn onnx(tag: &str, extra: &str) -> Result<ClassifierSpec, String> {
+        let text = CLASSIFIER.replace("pytorch_libtorch", "onnxruntime_onnx");
+        classifier_config(tag, &format!("{text}\n{extra}"))
+    }
+
+    fn param(key: &str, value: &str) -> String {
+        format!("parameters {{ key: \"{key}\" value: {{ string_value: \"{value}\" }} }}")
+    }
+
+    #[test]
+    fn onnx_models_take_the_onnxruntime_backends_session_options() {
+        let plain = onnx("o0", "").unwrap();
+        assert_eq!(plain.runtime, Runtime::Onnx(OnnxOptions::default()));
+        assert!(plain.model_file.ends_with("1/model.onnx"));
+        let backend =
+            CLASSIFIER.replace("platform: \"pytorch_libtorch\"", "backend: \"onnxruntime\"");
+        assert_eq!(
+            classifier_config("o1", &backend).unwrap().runtime,
+            plain.runtime
+        );
+
+        let set = format!(
+            "{}\n{}\n{}\noptimization {{ graph {{ level: 1 }} }}",
+            param("intra_op_thread_count", "0"),
+            param("inter_op_thread_count", "2"),
+            param("execution_mode", "1"),
+        );
+        let want = OnnxOptions {
+            intra_op_threads: Some(0),
+            inter_op_threads: Some(2),
+            parallel: true,
+            graph_level: GraphLevel::Extended,
+        };
+        assert_eq!(onnx("o2", &set).unwrap().runtime, Runtime::Onnx(want));
+        for (level, want) in [
+            (-1, GraphLevel::Basic),
+            (2, GraphLevel::Disabled),
+            (0, GraphLevel::All),
+        ] {
+            let line = format!("optimization {{ graph {{ level: {level} }} }}");
+            let Runtime::Onnx(o) = onnx(&format!("l{level}"), &line).unwrap().runtime else {
+                panic!("not onnx")
+            };
+            assert_eq!(o.graph_level, want, "level {level}");
+        }
+        // Parameters the sessions do not apply load (and are logged).
+        assert!(onnx("o3", &param("enable_mem_arena", "0")).is_ok());
+    }
+
+    #[test]
+    fn onnx_options_out_of_range_fail_naming_the_field() {
+        let cases = [
+            (
+                param("intra_op_thread_count", "100000"),
+                "parameters[intra_op_thread_count]",
+            ),
+            (
+                param("inter_op_thread_count", "-1"),
+                "parameters[inter_op_thread_count]",
+            ),
+            (param("execution_mode", "2"), "parameters[execution_mode]"),
+            (
+                "optimization { cuda { graphs: true } }".to_string(),
+                "optimization",
+            ),
+        ];
+        for (i, (line, field)) in cases.iter().enumerate() {
+            let e = onnx(&format!("b{i}"), line).unwrap_err();
+            assert!(e.contains(field), "{line}: {e}");
+        }
+        // A TorchScript model takes no optimization at all.
+        let torch = format!("{CLASSIFIER}\noptimization {{ graph {{ level: 1 }} }}");
+        let e = classifier_config("b9", &torch).unwrap_err();
+        assert!(e.contains("optimization"), "{e}");
+    }
 
     #[test]
     fn precision_is_a_parameter_fp32_by_default() {

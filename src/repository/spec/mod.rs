@@ -21,10 +21,11 @@ use std::time::Duration;
 use super::pb::{self, model_config::SchedulingChoice};
 use super::{Limits, RepositoryError};
 use crate::domain::{
-    ModelName, ModelVersion, Normalize, Precision, ResizeFilter, TimeoutAction, WarmupSample,
+    ModelName, ModelVersion, Normalize, Precision, ResizeFilter, Runtime, TimeoutAction,
+    WarmupSample,
 };
 
-use classifier::classifier;
+use classifier::{classifier, onnx_options};
 use ensemble::ensemble;
 use preprocessor::preprocessor;
 
@@ -33,6 +34,8 @@ pub(super) use versions::{available_versions, select_versions};
 
 /// Platform of TorchScript models, as Triton names it.
 pub const PLATFORM_LIBTORCH: &str = "pytorch_libtorch";
+/// Platform of ONNX models, as Triton names it.
+pub const PLATFORM_ONNX: &str = "onnxruntime_onnx";
 pub const PLATFORM_ENSEMBLE: &str = "ensemble";
 /// The built-in image preprocessor's backend name.
 pub const BACKEND_IMAGE: &str = "visiongate_image";
@@ -44,10 +47,12 @@ pub enum ModelKind {
     Ensemble(EnsembleSpec),
 }
 
-/// A TorchScript image classifier: FP32 `[N, 3, H, W]` in, FP32 `[N, classes]` logits out.
+/// An image classifier: FP32 `[N, 3, H, W]` in, FP32 `[N, classes]` logits out.
 #[derive(Debug, Clone)]
 pub struct ClassifierSpec {
     pub model_file: PathBuf,
+    /// What runs the model file (its platform), with that runtime's options.
+    pub runtime: Runtime,
     pub max_batch_size: usize,
     pub input_name: String,
     pub height: usize,
@@ -172,12 +177,21 @@ pub(crate) fn model_kind(
     version: ModelVersion,
     limits: &Limits,
 ) -> Result<ModelKind, RepositoryError> {
-    reject_unsupported_common(model, config)?;
     let platform = config.platform.as_str();
     let backend = config.backend.as_str();
+    let onnx = matches!(
+        (platform, backend),
+        (PLATFORM_ONNX, "" | "onnxruntime") | ("", "onnxruntime")
+    );
+    reject_unsupported_common(model, config, onnx)?;
     match (platform, backend) {
         (PLATFORM_LIBTORCH, "" | "pytorch") | ("", "pytorch") => {
-            classifier(dir, model, config, version, limits).map(ModelKind::Classifier)
+            classifier(dir, model, config, version, limits, Runtime::TorchScript)
+                .map(ModelKind::Classifier)
+        }
+        _ if onnx => {
+            let runtime = Runtime::Onnx(onnx_options(model, config)?);
+            classifier(dir, model, config, version, limits, runtime).map(ModelKind::Classifier)
         }
         (PLATFORM_ENSEMBLE, "") => {
             refuse_response_cache(model, config)?;
@@ -217,8 +231,9 @@ pub(crate) fn model_kind(
                 "platform"
             },
             format!(
-                "'{}' cannot be served; export the model to TorchScript and use platform \
-                 \"pytorch_libtorch\", or backend \"visiongate_image\" / platform \"ensemble\"",
+                "'{}' cannot be served; export the model to TorchScript (platform \
+                 \"pytorch_libtorch\") or ONNX (platform \"onnxruntime_onnx\"), or use backend \
+                 \"visiongate_image\" / platform \"ensemble\"",
                 if platform.is_empty() {
                     backend
                 } else {
@@ -243,7 +258,13 @@ fn refuse_response_cache(model: &str, c: &pb::ModelConfig) -> Result<(), Reposit
 }
 
 /// Fields of `ModelConfig` that no model kind here honours: refuse rather than ignore.
-fn reject_unsupported_common(model: &str, c: &pb::ModelConfig) -> Result<(), RepositoryError> {
+/// What no model kind takes; `optimization` only from an ONNX model, and only its `graph`
+/// level (read by `onnx_options`).
+fn reject_unsupported_common(
+    model: &str,
+    c: &pb::ModelConfig,
+    onnx: bool,
+) -> Result<(), RepositoryError> {
     let remove = "remove it from config.pbtxt; visiongate does not implement it";
     if matches!(
         c.scheduling_choice,
@@ -273,8 +294,23 @@ fn reject_unsupported_common(model: &str, c: &pb::ModelConfig) -> Result<(), Rep
     {
         return Err(unsupported(model, "model_repository_agents", remove));
     }
-    if c.optimization.is_some() {
-        return Err(unsupported(model, "optimization", remove));
+    if let Some(o) = &c.optimization {
+        let graph_only = pb::ModelOptimizationPolicy {
+            graph: o.graph,
+            ..Default::default()
+        };
+        if !onnx || *o != graph_only {
+            return Err(unsupported(
+                model,
+                "optimization",
+                if onnx {
+                    "keep only its graph { level }: visiongate's ONNX Runtime sessions take no \
+                     other optimization settings"
+                } else {
+                    remove
+                },
+            ));
+        }
     }
     for (i, input) in c.input.iter().enumerate() {
         if input.reshape.is_some() {

@@ -38,18 +38,21 @@ pub(super) const CLASSIFIER: &str = r#"
 "#;
 
 pub(super) fn classifier_with(tag: &str, batching: &str) -> Result<ClassifierSpec, String> {
-    let root = temp_repo(tag);
     let text = CLASSIFIER.replace(
         "dynamic_batching { preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 500 }",
         batching,
     );
-    write(
-        &root,
-        "m/config.pbtxt",
-        &format!("{text}\nresponse_cache {{ enable: true }}"),
-    );
+    classifier_config(tag, &format!("{text}\nresponse_cache {{ enable: true }}"))
+}
+
+/// The classifier of config `text` (with labels and a model file for either platform), or
+/// why it failed.
+pub(super) fn classifier_config(tag: &str, text: &str) -> Result<ClassifierSpec, String> {
+    let root = temp_repo(tag);
+    write(&root, "m/config.pbtxt", text);
     write(&root, "m/labels.txt", "a\nb\n");
     write(&root, "m/1/model.pt", "x");
+    write(&root, "m/1/model.onnx", "x");
     let mut r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
     match r.failures.pop() {
         Some(f) => Err(f.error.to_string()),
