@@ -7,7 +7,7 @@ fn main() {
     // Without the `torch` feature (the fuzz targets) nothing of libtorch is built or linked.
     if env::var_os("CARGO_FEATURE_TORCH").is_some() {
         link_libtorch();
-        compile_cuda_shim();
+        compile_shims();
     }
 }
 
@@ -86,11 +86,12 @@ fn link_libtorch() {
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", dir.display());
 }
 
-/// `src/engine/cuda_shim.cpp`: the few libtorch calls tch does not expose (TF32, a stream
-/// per instance, CUDA events), built against the same libtorch headers as torch-sys's own
-/// wrapper (same C++ standard and ABI flags).
-fn compile_cuda_shim() {
+/// `src/engine/cuda_shim.cpp` and `aoti_shim.cpp`: the few libtorch calls tch does not
+/// expose (TF32, a stream per instance, CUDA events; AOTInductor packages), built against
+/// the same libtorch headers as torch-sys's own wrapper (same C++ standard and ABI flags).
+fn compile_shims() {
     println!("cargo:rerun-if-changed=src/engine/cuda_shim.cpp");
+    println!("cargo:rerun-if-changed=src/engine/aoti_shim.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let lib = PathBuf::from(
         env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys reports libtorch's lib dir"),
@@ -108,5 +109,34 @@ fn compile_cuda_shim() {
         .flag("-std=c++17")
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
         .file("src/engine/cuda_shim.cpp")
-        .compile("visiongate_cuda_shim");
+        .file("src/engine/aoti_shim.cpp")
+        .compile("visiongate_shims");
+    libtorch_stub();
+}
+
+/// `OUT_DIR/libtorch_stub.so`, which the binary embeds: an empty shared library named
+/// `libtorch.so`. A torch.export package's compiled model names `libtorch.so`, whose only
+/// work is to pull in libtorch_cpu (which the binary links) and libtorch_cuda (which the
+/// binary opens where the NVIDIA driver is, and which costs a CPU host about 130 MiB of
+/// memory for nothing): the stub meets that name (`engine/aoti.rs`).
+fn libtorch_stub() {
+    let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let source = out.join("libtorch_stub.c");
+    std::fs::write(&source, "/* libtorch.so's name, nothing else */\n")
+        .expect("OUT_DIR is writable");
+    let compiler = cc::Build::new().get_compiler();
+    let status = compiler
+        .to_command()
+        .args([
+            "-shared",
+            "-fPIC",
+            "-nostdlib",
+            "-Wl,-soname,libtorch.so",
+            "-o",
+        ])
+        .arg(out.join("libtorch_stub.so"))
+        .arg(&source)
+        .status()
+        .expect("the C compiler runs");
+    assert!(status.success(), "the libtorch.so stub did not build");
 }

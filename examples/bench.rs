@@ -55,13 +55,14 @@ impl Variant {
     fn name(self) -> String {
         let format = match self.runtime {
             Runtime::TorchScript => "torchscript",
+            Runtime::TorchAoti => "pt2",
             Runtime::Onnx(_) => "onnx",
         };
         format!("{format} {}", self.precision)
     }
 
     /// The variants this CPU runs: TorchScript first (the baseline), in FP32 and, where the
-    /// CPU runs it natively, bf16; then ONNX.
+    /// CPU runs it natively, bf16; then ONNX and the torch.export package.
     fn all() -> Vec<Variant> {
         let torch = |precision| Variant {
             runtime: Runtime::TorchScript,
@@ -75,28 +76,22 @@ impl Variant {
             runtime: Runtime::Onnx(OnnxOptions::default()),
             precision: Precision::Fp32,
         });
+        all.push(Variant {
+            runtime: Runtime::TorchAoti,
+            precision: Precision::Fp32,
+        });
         all
     }
 
     /// An engine of this variant with `threads` intra-op threads (call it on its thread).
     fn engine(self, threads: usize) -> Box<dyn Engine> {
-        let model = root().join("models/classifier/1");
+        let spec = EngineSpec::bundled(&root().join("models"), self.runtime, self.precision);
         match self.runtime {
-            Runtime::TorchScript => {
+            Runtime::TorchScript | Runtime::TorchAoti => {
                 tch::set_num_threads(threads as i32);
-                Box::new(TorchEngine::load(&model.join("model.pt"), None, self.precision).unwrap())
+                Box::new(TorchEngine::load(&spec, None).unwrap())
             }
             Runtime::Onnx(options) => {
-                let spec = EngineSpec {
-                    file: model.join("model.onnx"),
-                    runtime: self.runtime,
-                    precision: self.precision,
-                    input: "input__0".into(),
-                    height: 224,
-                    width: 224,
-                    output: "output__0".into(),
-                    num_classes: 1000,
-                };
                 let library = std::env::var_os("VISIONGATE_ONNXRUNTIME_LIBRARY").map(PathBuf::from);
                 Box::new(
                     OnnxEngine::load(&spec, options, None, threads, library.as_deref()).unwrap(),
@@ -105,19 +100,22 @@ impl Variant {
         }
     }
 
-    /// The server's arguments: ONNX on a copy of the bundled repository whose classifier's
-    /// platform is switched (the one line a user changes).
+    /// The server's arguments: ONNX or the package on a copy of the bundled repository
+    /// whose classifier's platform is switched (the one line a user changes).
     fn server_args(self) -> Vec<String> {
         let mut args = vec![format!("--precision={}", self.precision)];
-        if let Runtime::Onnx(_) = self.runtime {
-            let repo = repository_copy("onnx", |text| {
-                text.replace(
-                    "platform: \"pytorch_libtorch\"",
-                    "platform: \"onnxruntime_onnx\"",
-                )
-            });
-            args.extend(["--model-repository".into(), repo.display().to_string()]);
-        }
+        let platform = match self.runtime {
+            Runtime::TorchScript => return args,
+            Runtime::Onnx(_) => "onnxruntime_onnx",
+            Runtime::TorchAoti => "torch_aoti",
+        };
+        let repo = repository_copy(platform, |text| {
+            text.replace(
+                "platform: \"pytorch_libtorch\"",
+                &format!("platform: \"{platform}\""),
+            )
+        });
+        args.extend(["--model-repository".into(), repo.display().to_string()]);
         args
     }
 }
@@ -1007,7 +1005,9 @@ async fn single_image_load(
 fn repository_copy(tag: &str, edit: impl Fn(String) -> String) -> PathBuf {
     let src = root().join("models");
     let dst = std::env::temp_dir().join(format!("visiongate-bench-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dst);
+    if dst.exists() {
+        return dst; // made by an earlier round of this run
+    }
     for model in ["classifier", "preprocessor", "ensemble_model"] {
         std::fs::create_dir_all(dst.join(model).join("1")).unwrap();
         let mut text = std::fs::read_to_string(src.join(model).join("config.pbtxt")).unwrap();
@@ -1018,7 +1018,7 @@ fn repository_copy(tag: &str, edit: impl Fn(String) -> String) -> PathBuf {
             )
             .unwrap();
             // Linked, not symlinked: a model reads only files inside its directory.
-            for file in ["model.pt", "model.onnx"] {
+            for file in ["model.pt", "model.onnx", "model.pt2"] {
                 let (from, to) = (
                     src.join(model).join("1").join(file),
                     dst.join(model).join("1").join(file),

@@ -279,22 +279,25 @@ timing "tritonserver ready and stopped" "$(since "$start")"
 podman logs "$PROJECT-tritonserver" >> "$ART/tritonserver.log" 2>&1
 podman rm "$PROJECT-tritonserver" > /dev/null 2>> "$ART/tritonserver.log"
 
-# --- the bundled classifier's ONNX export, on the image's ONNX Runtime ------------------------
-say "the bundled pipeline with its classifier switched to ONNX (platform onnxruntime_onnx)"
-start=$(date +%s)
+# --- the bundled classifier's other exports: ONNX on the image's ONNX Runtime, the
+# torch.export package on its libtorch ----------------------------------------------------------
 photo=tests/fixtures/photos/small/sk_chelsea.jpg
-onnx_answer=$(podman run --rm --entrypoint bash -v "$VG_ROOT/$photo:/photo.jpg:ro" "$IMAGE" -c '
-  set -e
-  cp -r /models /tmp/models
-  sed -i "s/platform: \"pytorch_libtorch\"/platform: \"onnxruntime_onnx\"/" /tmp/models/classifier/config.pbtxt
-  visiongate --model-repository /tmp/models > /tmp/log 2>&1 &
-  for _ in $(seq 120); do curl -fsS http://127.0.0.1:8000/v2/health/ready > /dev/null 2>&1 && break; sleep 1; done
-  curl -fsS http://127.0.0.1:8000/v2/models/classifier || { tail -20 /tmp/log; exit 1; }
-  curl -fsS -F files=@/photo.jpg http://127.0.0.1:8000/predict' 2>> "$ART/onnx.log") \
-  || fail "the ONNX classifier did not serve in the image (log: $ART/onnx.log)"
-[[ $onnx_answer == *'"platform":"onnxruntime_onnx"'* && $onnx_answer == *'"label":"Egyptian cat"'* ]] \
-  || fail "the ONNX classifier answered: $onnx_answer"
-timing "ONNX classifier in the image" "$(since "$start")"
+for platform in onnxruntime_onnx torch_aoti; do
+  say "the bundled pipeline with its classifier switched to platform $platform"
+  start=$(date +%s)
+  answer=$(podman run --rm --entrypoint bash -v "$VG_ROOT/$photo:/photo.jpg:ro" "$IMAGE" -c '
+    set -e
+    cp -r /models /tmp/models
+    sed -i "s/platform: \"pytorch_libtorch\"/platform: \"'"$platform"'\"/" /tmp/models/classifier/config.pbtxt
+    visiongate --model-repository /tmp/models > /tmp/log 2>&1 &
+    for _ in $(seq 120); do curl -fsS http://127.0.0.1:8000/v2/health/ready > /dev/null 2>&1 && break; sleep 1; done
+    curl -fsS http://127.0.0.1:8000/v2/models/classifier || { tail -20 /tmp/log; exit 1; }
+    curl -fsS -F files=@/photo.jpg http://127.0.0.1:8000/predict' 2>> "$ART/$platform.log") \
+    || fail "the $platform classifier did not serve in the image (log: $ART/$platform.log)"
+  [[ $answer == *"\"platform\":\"$platform\""* && $answer == *'"label":"Egyptian cat"'* ]] \
+    || fail "the $platform classifier answered: $answer"
+  timing "$platform classifier in the image" "$(since "$start")"
+done
 
 timing "container test" "$(since "$t0")"
 say "passed"

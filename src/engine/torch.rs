@@ -1,12 +1,16 @@
-//! libtorch (tch): one TorchScript module on one device, inference only.
-use std::path::Path;
+//! libtorch (tch): one TorchScript module, or one torch.export package, on one device,
+//! inference only.
 use std::time::Instant;
 
 use tch::{CModule, Device, Kind, Tensor};
 
+use super::aoti::Package;
 use super::cuda;
-use super::{BatchInput, ComputeTimings, Engine, EngineError, EngineOutput, OutputRequest};
-use crate::domain::{ClassScore, Normalize, Precision};
+use super::{
+    BatchInput, ComputeTimings, Engine, EngineError, EngineOutput, EngineSpec, FileErrors,
+    OutputRequest,
+};
+use crate::domain::{ClassScore, Normalize, Precision, Runtime};
 
 /// Number of CUDA devices libtorch sees (0 without a GPU or without CUDA libraries).
 /// libtorch's CUDA half is loaded first, where the host has the driver.
@@ -19,8 +23,17 @@ pub fn cuda_device_count() -> usize {
     }
 }
 
+/// What runs the forward pass.
+enum Module {
+    /// TorchScript, fed channels-last input (its export's layout).
+    Script(CModule),
+    /// A torch.export package: compiled for contiguous NCHW input, at any batch size of its
+    /// range without a compile per shape.
+    Package(Package),
+}
+
 pub struct TorchEngine {
-    module: CModule,
+    module: Module,
     device: Device,
     /// Host buffer the u8 rows of a batch are copied into; page-locked on a GPU, so the
     /// copy to the device is a non-blocking DMA on this instance's stream. Grows to the
@@ -88,24 +101,24 @@ fn exec(e: tch::TchError) -> EngineError {
 }
 
 impl TorchEngine {
-    /// Loads the module onto `gpu` (CUDA ordinal) or the CPU, in eval mode, to run in
-    /// `precision`. Call it on the thread that will run it: on a GPU that thread gets a
-    /// stream of its own first.
-    pub fn load(path: &Path, gpu: Option<u32>, precision: Precision) -> Result<Self, EngineError> {
-        // Said relative to the repository (`<model>/<version>/<file>`), torch's message to
-        // its first line: load errors reach clients (the repository index, a failed load).
-        let full = path.display().to_string();
-        let shown = super::repository_relative(path);
-        let load_error = |message: String| EngineError::Load {
-            message: message
-                .lines()
-                .next()
-                .unwrap_or_default()
-                .replace(&full, &shown),
-            path: shown.clone(),
-        };
+    /// Loads `spec`'s TorchScript module (in eval mode, to run in its precision) or
+    /// torch.export package (FP32) onto `gpu` (CUDA ordinal) or the CPU. Call it on the
+    /// thread that will run it: on a GPU that thread gets a stream of its own first.
+    pub fn load(spec: &EngineSpec, gpu: Option<u32>) -> Result<Self, EngineError> {
+        let errors = FileErrors::new(&spec.file);
+        let load_error = |message: String| errors.error(message);
         let device = gpu.map_or(Device::Cpu, |i| Device::Cuda(i as usize));
-        let autocast = autocast_kind(precision, device).map_err(&load_error)?;
+        let autocast = match spec.runtime {
+            Runtime::TorchAoti if spec.precision != Precision::Fp32 => {
+                return Err(load_error(format!(
+                    "precision {} is not offered for torch.export packages: they run as \
+                     compiled, in fp32 (set the config's precision parameter, or --precision, \
+                     to fp32)",
+                    spec.precision
+                )))
+            }
+            _ => autocast_kind(spec.precision, device).map_err(&load_error)?,
+        };
         let (device, events) = match gpu {
             Some(i) => {
                 cuda::use_pool_stream(i as usize).map_err(load_error)?;
@@ -115,11 +128,17 @@ impl TorchEngine {
             }
             None => (Device::Cpu, None),
         };
-        let mut module =
-            CModule::load_on_device(path, device).map_err(|e| load_error(e.to_string()))?;
-        module.set_eval();
+        let module = match spec.runtime {
+            Runtime::TorchAoti => Module::Package(Package::load(spec, gpu, &errors)?),
+            _ => {
+                let mut module = CModule::load_on_device(&spec.file, device)
+                    .map_err(|e| load_error(e.to_string()))?;
+                module.set_eval();
+                Module::Script(module)
+            }
+        };
         if let Some(kind) = autocast {
-            tracing::info!(model = shown, %precision, ?device, autocast = ?kind, "reduced precision");
+            tracing::info!(model = errors.shown(), precision = %spec.precision, ?device, autocast = ?kind, "reduced precision");
         }
         Ok(Self {
             module,
@@ -136,8 +155,8 @@ impl TorchEngine {
     /// that holds them, if it is at most twice as many; else `rows` (whose kernels are
     /// then compiled once, and the size is known from then on).
     fn padded(&self, rows: usize) -> usize {
-        match self.device {
-            Device::Cuda(_) => self
+        match (self.device, &self.module) {
+            (Device::Cuda(_), Module::Script(_)) => self
                 .sizes_run
                 .range(rows..)
                 .next()
@@ -272,11 +291,15 @@ impl TorchEngine {
                 } else {
                     x
                 };
-                x.f_to_device(self.device)?
-                    // To channels-last strides (the model's layout), on the device.
-                    .f_permute([0, 2, 3, 1])?
-                    .f_contiguous()?
-                    .f_permute([0, 3, 1, 2])
+                let x = x.f_to_device(self.device)?;
+                match self.module {
+                    // To channels-last strides (the module's layout), on the device.
+                    Module::Script(_) => x
+                        .f_permute([0, 2, 3, 1])?
+                        .f_contiguous()?
+                        .f_permute([0, 3, 1, 2]),
+                    Module::Package(_) => Ok(x),
+                }
             }
         }
     }
@@ -294,13 +317,15 @@ impl TorchEngine {
         let x = self.input_tensor(input, padded)?;
         self.mark(1)?;
         let t1 = Instant::now();
-        let logits = match self.autocast {
-            None => self.module.forward_ts(&[x])?,
-            Some(kind) => {
+        let logits = match (&self.module, self.autocast) {
+            // The layout it was compiled for: NCHW, contiguous.
+            (Module::Package(package), _) => package.run(&x.f_contiguous()?)?,
+            (Module::Script(module), None) => module.forward_ts(&[x])?,
+            (Module::Script(module), Some(kind)) => {
                 let _autocast = cuda::Autocast::new(self.device.is_cuda(), kind)
                     .map_err(tch::TchError::Torch)?;
                 // Outputs in FP32 from here on: ranking, softmax and the logits returned.
-                self.module.forward_ts(&[x])?.f_to_kind(Kind::Float)?
+                module.forward_ts(&[x])?.f_to_kind(Kind::Float)?
             }
         };
         self.mark(2)?;
@@ -311,7 +336,7 @@ impl TorchEngine {
                 "model returned shape {size:?} for {padded} rows; expected [{padded}, classes]"
             )));
         }
-        if self.device.is_cuda() {
+        if self.device.is_cuda() && matches!(self.module, Module::Script(_)) {
             self.sizes_run.insert(padded);
         }
         let logits = if padded > rows {

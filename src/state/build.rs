@@ -102,6 +102,7 @@ impl Registry {
                             file: spec.model_file.clone(),
                             runtime: spec.runtime,
                             precision: precision(spec, opts.precision),
+                            max_batch_size: spec.max_batch_size,
                             input: spec.input_name.clone(),
                             height: spec.height,
                             width: spec.width,
@@ -140,14 +141,16 @@ impl Registry {
     }
 }
 
-/// The precision a classifier runs in: `--precision` over its config's, for the runtimes
-/// that offer reduced precisions (libtorch); an ONNX model keeps its config's (FP32 unless
-/// it asks otherwise, which fails its load), the flag logged as not applied to it.
+/// The precision a classifier runs in: `--precision` over its config's, for the runtime
+/// that offers reduced precisions (libtorch's TorchScript); an ONNX model or a torch.export
+/// package keeps its config's (FP32 unless it asks otherwise, which fails its load), the
+/// flag logged as not applied to it.
 fn precision(spec: &ClassifierSpec, flag: Option<Precision>) -> Precision {
     match (spec.runtime, flag) {
-        (Runtime::Onnx(_), Some(p)) if p != spec.precision => {
+        (Runtime::Onnx(_) | Runtime::TorchAoti, Some(p)) if p != spec.precision => {
             tracing::warn!(
-                "--precision={p} does not apply to ONNX models: they run in {}",
+                "--precision={p} applies to TorchScript models only: {} runs in {}",
+                spec.runtime.format(),
                 spec.precision
             );
             spec.precision

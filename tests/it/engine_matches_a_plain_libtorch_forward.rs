@@ -7,8 +7,10 @@
 use std::path::PathBuf;
 
 use tch::{CModule, Device, Kind, Tensor};
-use visiongate::domain::{Normalize, Precision};
-use visiongate::engine::{cpu_runs_bf16, BatchInput, Engine, OutputRequest, TorchEngine};
+use visiongate::domain::{Normalize, Precision, Runtime};
+use visiongate::engine::{
+    cpu_runs_bf16, BatchInput, Engine, EngineSpec, OutputRequest, TorchEngine,
+};
 
 const SIDE: usize = 224;
 const ROW: usize = SIDE * SIDE * 3;
@@ -19,6 +21,12 @@ const NORMALIZE: Normalize = Normalize {
 
 fn model_file() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/classifier/1/model.pt")
+}
+
+/// The bundled classifier's TorchScript file, in `precision`.
+fn spec(precision: Precision) -> EngineSpec {
+    let models = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models");
+    EngineSpec::bundled(&models, Runtime::TorchScript, precision)
 }
 
 /// Deterministic pixels that differ per batch (a small LCG; no two batches alike).
@@ -54,7 +62,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn staged_and_cached_inputs_give_bit_identical_logits_and_top_k() {
     tch::set_num_threads(1);
     let module = CModule::load_on_device(model_file(), Device::Cpu).unwrap();
-    let mut engine = TorchEngine::load(&model_file(), None, Precision::Fp32).unwrap();
+    let mut engine = TorchEngine::load(&spec(Precision::Fp32), None).unwrap();
     let want = OutputRequest {
         top_k: 5,
         logits: true,
@@ -102,7 +110,7 @@ fn staged_and_cached_inputs_give_bit_identical_logits_and_top_k() {
 fn fp32_tensor_input_matches_a_plain_forward_pass() {
     tch::set_num_threads(1);
     let module = CModule::load_on_device(model_file(), Device::Cpu).unwrap();
-    let mut engine = TorchEngine::load(&model_file(), None, Precision::Fp32).unwrap();
+    let mut engine = TorchEngine::load(&spec(Precision::Fp32), None).unwrap();
     let data: Vec<f32> = rows(3, 9).iter().map(|&b| b as f32 / 127.5 - 1.0).collect();
     let out = engine
         .run(
@@ -149,7 +157,7 @@ fn image_logits(engine: &mut TorchEngine, data: &[u8]) -> Vec<f32> {
 #[test]
 fn bf16_runs_in_reduced_precision_and_leaves_fp32_exact() {
     tch::set_num_threads(1);
-    let loaded = TorchEngine::load(&model_file(), None, Precision::Bf16);
+    let loaded = TorchEngine::load(&spec(Precision::Bf16), None);
     if !cpu_runs_bf16() {
         let e = loaded
             .err()
@@ -161,7 +169,7 @@ fn bf16_runs_in_reduced_precision_and_leaves_fp32_exact() {
         return;
     }
     let mut bf16 = loaded.unwrap();
-    let mut fp32 = TorchEngine::load(&model_file(), None, Precision::Fp32).unwrap();
+    let mut fp32 = TorchEngine::load(&spec(Precision::Fp32), None).unwrap();
     let module = CModule::load_on_device(model_file(), Device::Cpu).unwrap();
     let data = rows(4, 11);
     let reduced = image_logits(&mut bf16, &data);
@@ -189,7 +197,7 @@ fn bf16_runs_in_reduced_precision_and_leaves_fp32_exact() {
 
 #[test]
 fn fp16_is_refused_on_the_cpu() {
-    let e = TorchEngine::load(&model_file(), None, Precision::Fp16)
+    let e = TorchEngine::load(&spec(Precision::Fp16), None)
         .err()
         .expect("fp16 on the CPU is refused");
     assert!(e.to_string().contains("GPUs only"), "{e}");

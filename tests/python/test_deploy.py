@@ -107,7 +107,7 @@ def test_dockerfile_builds_with_the_readme_setup_and_ships_a_lean_runtime():
     # What the build context leaves out.
     ignored = (ROOT / ".dockerignore").read_text().split()
     for path in (".git", "target", ".libtorch", "gpu-kit", "tests/*", "Dockerfile", "models/*/[0-9]*/model.pt",
-                 "models/*/[0-9]*/model.onnx"):
+                 "models/*/[0-9]*/model.onnx", "models/*/[0-9]*/model.pt2"):
         assert path in ignored, path
 
 

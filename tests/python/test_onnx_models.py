@@ -3,7 +3,8 @@
 - a user's own torch.onnx export behind Triton's onnxruntime image-classifier config answers
   `tritonclient` http and grpc with the exporting framework's outputs (within 1e-4), and
   behind the image ensemble serves /predict;
-- the bundled classifier's ONNX export agrees with the Python reference on the 283 photos;
+- the bundled classifier's ONNX export agrees with the Python reference on the 283 photos
+  (test_export_fidelity.py);
 - an ONNX file that is not one, is cut short, or declares other names, types, ranks or a
   fixed batch dimension than its config, or uses an operator ONNX Runtime lacks, fails its
   own load (400 over the control API, naming the model, the file and the field) while the
@@ -13,19 +14,14 @@
   TorchScript pipeline serves.
 """
 
-import json
 import shutil
 
 import numpy as np
 import pytest
 import requests
-import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 
-import reference
 from conftest import PHOTOS, ROOT, Server, link_file
-
-NEAR_TIE = 0.02
+from user_models import add_image_ensemble, answers_tritonclient_as_torch_does, serves_predict_as_torch_does, user_model
 
 # Triton's onnxruntime image classifier, as its guides write it: FP32 [3, 224, 224] in,
 # [classes] out, two CPU instances, dynamic batching.
@@ -38,20 +34,6 @@ output [ {{ name: "output" data_type: TYPE_FP32 dims: [ {classes} ] }} ]
 instance_group [ {{ count: 2 kind: KIND_CPU }} ]
 dynamic_batching {{ }}
 """
-
-
-def user_model(torch):
-    """A small classifier of the user's: convolutions, pooling, a linear layer, 10 classes."""
-    torch.manual_seed(7)
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 5, stride=4),
-        torch.nn.ReLU(),
-        torch.nn.Conv2d(8, 16, 3, stride=2),
-        torch.nn.ReLU(),
-        torch.nn.AdaptiveAvgPool2d(1),
-        torch.nn.Flatten(),
-        torch.nn.Linear(16, 10),
-    ).eval()
 
 
 def export_onnx(torch, model, path, example, input_name="input", output_name="output", batch=True):
@@ -75,14 +57,7 @@ def user_repository(tmp_path_factory):
     (repo / "image_classifier" / "1").mkdir(parents=True)
     export_onnx(torch, model, repo / "image_classifier" / "1" / "model.onnx", torch.rand(2, 3, 224, 224))
     (repo / "image_classifier" / "config.pbtxt").write_text(USER_CONFIG.format(name="image_classifier", classes=10))
-    shutil.copytree(ROOT / "models" / "preprocessor", repo / "preprocessor")
-    ensemble = (ROOT / "models" / "ensemble_model" / "config.pbtxt").read_text()
-    ensemble = ensemble.replace('model_name: "classifier"', 'model_name: "image_classifier"')
-    ensemble = ensemble.replace('input_map { key: "input__0"', 'input_map { key: "input"')
-    ensemble = ensemble.replace('output_map { key: "output__0"', 'output_map { key: "output"')
-    ensemble = ensemble.replace("dims: [ 1000 ]", "dims: [ 10 ]")
-    (repo / "ensemble_model" / "1").mkdir(parents=True)
-    (repo / "ensemble_model" / "config.pbtxt").write_text(ensemble)
+    add_image_ensemble(repo, "image_classifier", "input", "output")
     return repo, model
 
 
@@ -95,100 +70,13 @@ def user_server(user_repository):
 
 
 def test_a_users_onnx_export_answers_tritonclient_as_torch_does(user_server, user_repository):
-    import torch
-
     _, model = user_repository
-    batch = np.random.default_rng(3).standard_normal((5, 3, 224, 224), dtype=np.float32)
-    with torch.no_grad():
-        want = model(torch.from_numpy(batch)).numpy()
-    for mod, client in (
-        (httpclient, httpclient.InferenceServerClient(user_server.http_url)),
-        (grpcclient, grpcclient.InferenceServerClient(user_server.grpc_url)),
-    ):
-        meta = client.get_model_metadata("image_classifier")
-        platform = meta["platform"] if isinstance(meta, dict) else meta.platform
-        assert platform == "onnxruntime_onnx"
-        inp = mod.InferInput("input", list(batch.shape), "FP32")
-        inp.set_data_from_numpy(batch)
-        out = client.infer("image_classifier", [inp], outputs=[mod.InferRequestedOutput("output")])
-        got = out.as_numpy("output")
-        assert got.shape == (5, 10)
-        assert np.abs(got - want).max() < 1e-4, np.abs(got - want).max()
+    answers_tritonclient_as_torch_does(user_server, model, "image_classifier", "onnxruntime_onnx", "input", "output")
 
 
 def test_a_users_onnx_export_serves_predict_behind_the_image_ensemble(user_server, user_repository):
-    import torch
-
     _, model = user_repository
-    paths = sorted((PHOTOS / "small").glob("*.jpg"))[:6]
-    files = [("files", (p.name, p.read_bytes(), "image/jpeg")) for p in paths]
-    r = requests.post(user_server.base + "/predict?top_k=3", files=files, timeout=120)
-    assert r.status_code == 200, r.text
-    results = r.json()["results"]
-    # The classes the user's model gives the very tensors the preprocessor makes of them.
-    client = httpclient.InferenceServerClient(user_server.http_url)
-    for path, result in zip(paths, results):
-        raw = np.frombuffer(path.read_bytes(), dtype=np.uint8)[None, :]
-        inp = httpclient.InferInput("RAW_IMAGE", list(raw.shape), "UINT8")
-        inp.set_data_from_numpy(raw)
-        pixels = client.infer("preprocessor", [inp]).as_numpy("PREPROCESSED_IMAGE")
-        with torch.no_grad():
-            logits = model(torch.from_numpy(pixels))[0]
-        probs = torch.softmax(logits, 0)
-        assert result["class_id"] == int(logits.argmax()), (path.name, result)
-        assert abs(result["score"] - float(probs.max())) < 1e-4
-        assert len(result["top_k"]) == 3
-
-
-def test_the_bundled_onnx_export_agrees_with_the_python_reference(server, tmp_path):
-    """Top-1 of the bundled classifier's ONNX file against the Python reference pipeline
-    (PIL + torchvision + the TorchScript model) on the 283 photos, near-ties excused; and
-    against this server's TorchScript run of the same pixels."""
-    repo = tmp_path / "models"
-    shutil.copytree(ROOT / "models", repo, ignore=shutil.ignore_patterns("model.*"))
-    link_file(ROOT / "models" / "classifier" / "1" / "model.onnx", repo / "classifier" / "1" / "model.onnx")
-    config = repo / "classifier" / "config.pbtxt"
-    # The one line that moves the bundled pipeline to ONNX.
-    config.write_text(config.read_text().replace('platform: "pytorch_libtorch"', 'platform: "onnxruntime_onnx"'))
-    paths = sorted(PHOTOS.glob("*/*.jpg")) + sorted((PHOTOS / "registry").glob("*.webp"))
-    assert len(paths) >= 280
-    kinds = {".jpg": "image/jpeg", ".webp": "image/webp"}
-
-    def predict(s):
-        files = [("files", (p.name, p.read_bytes(), kinds[p.suffix])) for p in paths]
-        r = requests.post(s.base + "/predict?top_k=2", files=files, timeout=900)
-        assert r.status_code == 200, r.text
-        return r.json()["results"]
-
-    s = Server("--model-repository", str(repo), repository=False)
-    try:
-        meta = requests.get(s.base + "/v2/models/classifier", timeout=10).json()
-        assert meta["platform"] == "onnxruntime_onnx"
-        onnx = predict(s)
-    finally:
-        s.stop()
-    torchscript = predict(server)
-    python_ref = reference.classify([str(p) for p in paths], str(ROOT / "models"))
-    # Near-ties are judged on the TorchScript server's top two (the reference gives top-1).
-    tie = [x["top_k"][0]["score"] - x["top_k"][1]["score"] < NEAR_TIE for x in torchscript]
-    agree = [o["class_id"] == r["class_id"] for o, r in zip(onnx, python_ref)]
-    firm = [a for a, t in zip(agree, tie) if not t]
-    same_as_torchscript = [o["class_id"] == t["class_id"] for o, t in zip(onnx, torchscript)]
-    diff = [abs(o["score"] - t["score"]) for o, t in zip(onnx, torchscript)]
-    report = {
-        "photos": len(paths),
-        "top1_vs_python_reference": f"{sum(agree)}/{len(agree)}",
-        "top1_vs_python_reference_near_ties_excused": f"{sum(firm)}/{len(firm)}",
-        "near_ties": sum(tie),
-        "top1_vs_torchscript_server": f"{sum(same_as_torchscript)}/{len(paths)}",
-        "max_abs_score_diff_vs_torchscript_server": float(f"{max(diff):.3g}"),
-        "disagreements_with_reference": [p.name for p, a in zip(paths, agree) if not a],
-    }
-    print("\nonnx fidelity:", json.dumps(report))
-    (ROOT / "test-artifacts").mkdir(exist_ok=True)
-    (ROOT / "test-artifacts" / "onnx-fidelity.json").write_text(json.dumps(report, indent=2))
-    assert sum(firm) / len(firm) >= 0.99, report
-    assert max(diff) < 1e-3, report
+    serves_predict_as_torch_does(user_server, model)
 
 
 # --- broken models -------------------------------------------------------------------------

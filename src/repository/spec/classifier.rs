@@ -112,12 +112,8 @@ pub(super) fn classifier(
         )?))
     };
 
-    let (file_name, format) = match runtime {
-        Runtime::TorchScript => ("model.pt", "a TorchScript file"),
-        Runtime::Onnx(_) => ("model.onnx", "an ONNX file"),
-    };
     let file_name = if c.default_model_filename.is_empty() {
-        file_name
+        runtime.default_file()
     } else {
         c.default_model_filename.as_str()
     };
@@ -135,8 +131,9 @@ pub(super) fn classifier(
             "default_model_filename",
             format!(
                 "{} is missing; run `make setup` (it exports the bundled model) or put \
-                 {format} there",
-                Path::new(model).join(version_dir).join(file_name).display()
+                 {} there",
+                Path::new(model).join(version_dir).join(file_name).display(),
+                runtime.format()
             ),
         ));
     };
@@ -400,6 +397,25 @@ mod tests {
 
     fn param(key: &str, value: &str) -> String {
         format!("parameters {{ key: \"{key}\" value: {{ string_value: \"{value}\" }} }}")
+    }
+
+    #[test]
+    fn torch_aoti_packages_are_model_pt2_under_tritons_pytorch_backend() {
+        for (tag, line) in [
+            ("a0", "platform: \"torch_aoti\""),
+            ("a1", "platform: \"torch_aoti\"\nbackend: \"pytorch\""),
+        ] {
+            let text = CLASSIFIER.replace("platform: \"pytorch_libtorch\"", line);
+            let spec = classifier_config(tag, &text).unwrap();
+            assert_eq!(spec.runtime, Runtime::TorchAoti);
+            assert!(spec.model_file.ends_with("1/model.pt2"));
+        }
+        // Another backend with that platform is not Triton's pairing.
+        let text = CLASSIFIER.replace(
+            "platform: \"pytorch_libtorch\"",
+            "platform: \"torch_aoti\"\nbackend: \"onnxruntime\"",
+        );
+        assert!(classifier_config("a2", &text).is_err());
     }
 
     #[test]

@@ -22,8 +22,8 @@ pub(super) fn ensemble(model: &str, c: &pb::ModelConfig) -> Result<EnsembleSpec,
         invalid(model, "output", "an image ensemble has exactly one output")
     })?;
     let shape_msg = "visiongate runs ensembles of two steps: the image preprocessor \
-                     (backend \"visiongate_image\") feeding a classifier (pytorch_libtorch or \
-                     onnxruntime_onnx)";
+                     (backend \"visiongate_image\") feeding a classifier (pytorch_libtorch, \
+                     onnxruntime_onnx or torch_aoti)";
     let [pre, cls] = e.step.as_slice() else {
         return Err(unsupported(model, "ensemble_scheduling.step", shape_msg));
     };

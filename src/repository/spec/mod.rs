@@ -36,6 +36,8 @@ pub(super) use versions::{available_versions, select_versions};
 pub const PLATFORM_LIBTORCH: &str = "pytorch_libtorch";
 /// Platform of ONNX models, as Triton names it.
 pub const PLATFORM_ONNX: &str = "onnxruntime_onnx";
+/// A torch.export package compiled by AOTInductor (`model.pt2`), Triton's PyTorch backend.
+pub const PLATFORM_AOTI: &str = "torch_aoti";
 pub const PLATFORM_ENSEMBLE: &str = "ensemble";
 /// The built-in image preprocessor's backend name.
 pub const BACKEND_IMAGE: &str = "visiongate_image";
@@ -189,6 +191,10 @@ pub(crate) fn model_kind(
             classifier(dir, model, config, version, limits, Runtime::TorchScript)
                 .map(ModelKind::Classifier)
         }
+        (PLATFORM_AOTI, "" | "pytorch") => {
+            classifier(dir, model, config, version, limits, Runtime::TorchAoti)
+                .map(ModelKind::Classifier)
+        }
         _ if onnx => {
             let runtime = Runtime::Onnx(onnx_options(model, config)?);
             classifier(dir, model, config, version, limits, runtime).map(ModelKind::Classifier)
@@ -232,7 +238,8 @@ pub(crate) fn model_kind(
             },
             format!(
                 "'{}' cannot be served; export the model to TorchScript (platform \
-                 \"pytorch_libtorch\") or ONNX (platform \"onnxruntime_onnx\"), or use backend \
+                 \"pytorch_libtorch\"), ONNX (platform \"onnxruntime_onnx\") or a \
+                 torch.export package (platform \"torch_aoti\"), or use backend \
                  \"visiongate_image\" / platform \"ensemble\"",
                 if platform.is_empty() {
                     backend
