@@ -1,0 +1,165 @@
+"""Whether an INT8 ONNX export of the bundled classifier keeps its accuracy (issue 27): static
+QDQ quantization by ONNX Runtime's tools (per-channel INT8 weights, UINT8 activations),
+calibrated on photos apart from the 283 evaluation photos, evaluated on those 283 against the
+FP32 ONNX model (top-1 agreement, near-ties excused: FP32's top two within 0.02) and timed at
+batch 1 and 8 on one thread. visiongate offers INT8 only if a variant agrees on at least 99%.
+
+Calibration photos: Debian's `lomiri-wallpapers-16.04`, `lomiri-wallpapers-20.04` (authors
+and licences, CC-BY / CC-BY-SA / CC0, in their copyright files) and `palapeli-data`'s puzzle
+collection (public domain or GFDL, in each .desktop file), fetched by `apt-get download`
+unless --photos names a directory; each photo gives 12 views (whole, mirrored, 10 crops).
+No package the evaluation photos come from is among them (tests/fixtures/photos/SOURCES.md).
+
+    python scripts/int8_study.py [--photos DIR] [--variants minmax_keep_first_last ...]
+
+Writes test-artifacts/int8-study.json.
+"""
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ["lomiri-wallpapers-16.04=20.04.0-2", "lomiri-wallpapers-20.04=20.04.0-2", "palapeli-data=4:22.12.3-1"]
+NEAR_TIE = 0.02
+
+
+def calibration_photos(directory):
+    if directory:
+        return sorted(glob.glob(os.path.join(directory, "**", "*.jpg"), recursive=True))
+    tmp = tempfile.mkdtemp(prefix="int8-calibration-")
+    subprocess.run(["apt-get", "download", *PACKAGES], cwd=tmp, check=True)
+    for deb in glob.glob(os.path.join(tmp, "*.deb")):
+        subprocess.run(["dpkg", "-x", deb, os.path.join(tmp, "x")], check=True)
+    found = glob.glob(os.path.join(tmp, "x", "usr", "share", "backgrounds", "*.jpg"))
+    found += glob.glob(os.path.join(tmp, "x", "usr", "share", "palapeli", "collection", "*.jpg"))
+    return sorted(found)
+
+
+def views(im, ImageOps):
+    w, h = im.size
+    out = [im, ImageOps.mirror(im)]
+    for f in (0.5, 0.7):
+        cw, ch = int(w * f), int(h * f)
+        for x, y in ((0, 0), (w - cw, 0), (0, h - ch), (w - cw, h - ch), ((w - cw) // 2, (h - ch) // 2)):
+            out.append(im.crop((x, y, x + cw, y + ch)))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--photos", help="calibration photos (*.jpg under it); else the Debian packages above")
+    ap.add_argument("--variants", nargs="+", help="the variants to run (default: all)")
+    args = ap.parse_args()
+
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat,
+                                          QuantType, quantize_static)
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+    from PIL import Image, ImageOps
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import reference
+
+    repo = str(ROOT / "models")
+    fp32 = os.path.join(repo, "classifier", "1", "model.onnx")
+    tf, _ = reference.load(repo)  # the reference pipeline's resize and normalization
+
+    def tensor(im):
+        return tf(ImageOps.exif_transpose(im).convert("RGB")).unsqueeze(0).numpy()
+
+    cal = []
+    photos = calibration_photos(args.photos)
+    for p in photos:
+        with Image.open(p) as im:
+            im = ImageOps.exif_transpose(im).convert("RGB")
+            im.thumbnail((1024, 1024))
+            cal += [tensor(v) for v in views(im, ImageOps)]
+    photos_dir = ROOT / "tests" / "fixtures" / "photos"
+    evaluation = sorted(photos_dir.glob("*/*.jpg")) + sorted((photos_dir / "registry").glob("*.webp"))
+    X = np.concatenate([tensor(Image.open(p)) for p in evaluation])
+    print(f"int8: {len(photos)} calibration photos ({len(cal)} views), {len(X)} evaluation photos")
+
+    def session(path):
+        o = ort.SessionOptions()
+        o.intra_op_num_threads = 1
+        return ort.InferenceSession(path, o, providers=["CPUExecutionProvider"])
+
+    def probabilities(path):
+        s = session(path)
+        z = np.concatenate([s.run(None, {"input__0": X[i:i + 16]})[0] for i in range(0, len(X), 16)])
+        e = np.exp(z - z.max(1, keepdims=True))
+        return e / e.sum(1, keepdims=True)
+
+    def ms_per_image(path):
+        s = session(path)
+        out = {}
+        for b in (1, 8):
+            s.run(None, {"input__0": X[:b]})
+            t, n = time.time(), 0
+            while time.time() - t < 3:
+                s.run(None, {"input__0": X[:b]})
+                n += 1
+            out[b] = round((time.time() - t) / n / b * 1000, 2)
+        return out
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(cal)
+
+        def get_next(self):
+            x = next(self.it, None)
+            return None if x is None else {"input__0": x}
+
+    work = tempfile.mkdtemp(prefix="int8-study-")
+    pre = os.path.join(work, "pre.onnx")
+    quant_pre_process(fp32, pre)
+    graph = onnx.load(pre).graph
+    convs = [n.name for n in graph.node if n.op_type == "Conv"]
+    first_last = [convs[0]] + [n.name for n in graph.node if n.op_type in ("Gemm", "MatMul")]
+    depthwise = [n.name for n in graph.node if n.op_type == "Conv"
+                 and any(a.name == "group" and a.i > 1 for a in n.attribute)]
+    variants = {
+        "minmax": (CalibrationMethod.MinMax, []),
+        "minmax_keep_first_last": (CalibrationMethod.MinMax, first_last),
+        "percentile_keep_first_last": (CalibrationMethod.Percentile, first_last),
+        "entropy_keep_first_last": (CalibrationMethod.Entropy, first_last),
+        "percentile_keep_first_last_depthwise": (CalibrationMethod.Percentile, first_last + depthwise),
+    }
+    reference_probs = probabilities(fp32)
+    top2 = np.sort(reference_probs, 1)[:, -2:]
+    tie = (top2[:, 1] - top2[:, 0]) < NEAR_TIE
+    report = {"calibration_photos": len(photos), "calibration_views": len(cal), "evaluation_photos": len(X),
+              "near_ties": int(tie.sum()), "fp32_ms_per_image": ms_per_image(fp32), "variants": {}}
+    for name in args.variants or variants:
+        method, keep = variants[name]
+        out = os.path.join(work, name + ".onnx")
+        quantize_static(pre, out, Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                        calibrate_method=method, nodes_to_exclude=keep)
+        probs = probabilities(out)
+        agree = probs.argmax(1) == reference_probs.argmax(1)
+        firm = agree[~tie]
+        report["variants"][name] = {
+            "top1_agreement": f"{agree.sum()}/{len(agree)}",
+            "top1_agreement_near_ties_excused": f"{firm.sum()}/{len(firm)} ({100 * firm.mean():.1f}%)",
+            "max_top1_probability_difference": round(float(np.abs(probs.max(1) - reference_probs.max(1)).max()), 3),
+            "ms_per_image": ms_per_image(out),
+        }
+        print(f"int8: {name}: {json.dumps(report['variants'][name])}", flush=True)
+    (ROOT / "test-artifacts").mkdir(exist_ok=True)
+    (ROOT / "test-artifacts" / "int8-study.json").write_text(json.dumps(report, indent=2))
+    best = max(float(v["top1_agreement_near_ties_excused"].split("(")[1].rstrip("%)")) for v in report["variants"].values())
+    print(f"int8: best agreement {best:.1f}% (visiongate offers INT8 at 99% or more)")
+
+
+if __name__ == "__main__":
+    main()
