@@ -83,3 +83,15 @@ def serves_predict_as_torch_does(server, model):
         assert result["class_id"] == int(logits.argmax()), (path.name, result)
         assert abs(result["score"] - float(torch.softmax(logits, 0).max())) < 1e-4
         assert len(result["top_k"]) == 3
+
+
+def load_is_refused(server, name, file, says, headers):
+    """Loading `name` over the control API answers 400 naming the model and its `file`
+    relative to the repository (no path of the server's), and saying each of `says`."""
+    r = requests.post(server.base + f"/v2/repository/models/{name}/load", json={}, timeout=120, headers=headers)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert f"'{name}'" in error and f"{name}/1/{file}" in error, error
+    assert "/tmp" not in error and str(server.repo) not in error, error
+    for part in says:
+        assert part in error, (part, error)
