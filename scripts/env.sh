@@ -18,6 +18,9 @@ if [[ -x $VG_PY ]]; then
   done
 fi
 export VISIONGATE_PYTHON=$VG_PY VISIONGATE_BIN=$VG_BIN
+# Azure Storage's emulator for the remote-repository tests (scripts/setup.sh installs it).
+VG_AZURITE_DIR=$VG_HOME/azurite
+export VISIONGATE_AZURITE=$VG_AZURITE_DIR/node_modules/.bin/azurite-blob
 
 # `install_tool CRATE VERSION`: a pinned cargo tool, built once per machine into the target
 # cache (VG_TOOLS/bin); prints its path.

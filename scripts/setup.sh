@@ -7,7 +7,8 @@
 # Steps, in order (all of them when none is named):
 #   packages  apt: cmake and nasm (libjpeg-turbo), g++ (compiles the .pt2 export, and the
 #             shims beside libtorch), and for the tests chromium, node and curl, only when
-#             missing; playwright-core from npm for the browser test
+#             missing; playwright-core from npm for the browser test, and azurite
+#             (Azure Storage's emulator) from npm for the remote-repository tests
 #   venv      a venv outside the clone with torch==2.13.0 and the model packages
 #             (scripts/requirements.txt), plus the test packages (requirements-test.txt)
 #   model     models/classifier/1/model.pt (and .onnx, .pt2 beside it), each exported when
@@ -54,6 +55,18 @@ if wants packages; then
     say "installing playwright-core (npm) for the browser test"
     (cd tests/browser && npm ci --no-audit --no-fund --silent)
     echo "$lock_sum" > tests/browser/node_modules/.lock.sha256
+  fi
+  # azurite (npm), Azure Storage's emulator, for the remote-repository tests: as locked, in
+  # VG_HOME beside the venv (360 MB: kept out of the clone, installed once per machine).
+  if ((test_tools)); then
+    az_sum=$(cat tests/storage/package.json tests/storage/package-lock.json | sha256sum | cut -d' ' -f1)
+    if [[ $(cat "$VG_AZURITE_DIR/.lock.sha256" 2>/dev/null) != "$az_sum" ]]; then
+      say "installing azurite (npm) into $VG_AZURITE_DIR for the remote-repository tests"
+      rm -rf "$VG_AZURITE_DIR" && mkdir -p "$VG_AZURITE_DIR"
+      cp tests/storage/package.json tests/storage/package-lock.json "$VG_AZURITE_DIR/"
+      (cd "$VG_AZURITE_DIR" && npm ci --no-audit --no-fund --silent)
+      echo "$az_sum" > "$VG_AZURITE_DIR/.lock.sha256"
+    fi
   fi
 fi
 

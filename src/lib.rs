@@ -33,6 +33,7 @@ use config::Settings;
 pub use engines::EngineChoice;
 use engines::Engines;
 use listeners::{GrpcListener, HttpListener};
+use repository::Repositories;
 use scheduler::ModelState;
 use state::{AppState, BuildOptions, StateSettings};
 
@@ -58,11 +59,23 @@ impl Gateway {
     /// Loads the repository, starts the models and binds the listeners. Returns once bound;
     /// the models finish loading in the background (see [`Gateway::wait_ready`]).
     pub async fn start(settings: Settings, engine: EngineChoice) -> anyhow::Result<Gateway> {
-        let scan = repository::scan(&settings.control.repositories, &settings.control.limits)
+        let repositories =
+            Repositories::open(&settings.control.repositories, &settings.control.remote)
+                .map_err(anyhow::Error::msg)
+                .context("opening the model repositories")?;
+        let scan = repositories
+            .scan(&settings.control.limits)
+            .await
             .context("reading the model repository")?;
         let engines = Engines::new(engine, settings.engine.clone())?;
         let decode_threads = decode_threads(&settings, &scan, &engines);
-        let state = web::Data::new(build_state(&settings, scan, engines, decode_threads));
+        let state = web::Data::new(build_state(
+            &settings,
+            scan,
+            repositories,
+            engines,
+            decode_threads,
+        ));
         let background = CancellationToken::new();
         // Free memory back to the system after 10 s without a batch or a decode.
         let idle = background.child_token();
@@ -219,15 +232,20 @@ fn decode_threads(settings: &Settings, scan: &repository::ScanResult, engines: &
 fn build_state(
     settings: &Settings,
     scan: repository::ScanResult,
+    repositories: Repositories,
     engines: Engines,
     decode_threads: usize,
 ) -> AppState {
     let models = settings.models;
+    let metrics = telemetry::Metrics::with_config(&settings.metrics);
+    for collector in repositories.collectors() {
+        metrics.register(collector);
+    }
     AppState::build(
         scan,
         BuildOptions {
             factory: engines.factory,
-            metrics: Arc::new(telemetry::Metrics::with_config(&settings.metrics)),
+            metrics: Arc::new(metrics),
             gpu_count: engines.gpu_count,
             unusable_gpus: engines.unusable_gpus,
             default_queue_size: models.max_queue_size,
@@ -239,6 +257,7 @@ fn build_state(
         },
         StateSettings {
             control: settings.control.clone(),
+            repositories,
             limits: settings.limits.clone(),
             decode_threads,
             decode_memory: settings.decode_memory,

@@ -14,7 +14,7 @@ pub use triton::LogFormat;
 use crate::domain::Precision;
 use crate::grpc::{ConnLimits, GrpcSettings};
 use crate::pace::BodyPace;
-use crate::repository::Limits;
+use crate::repository::{Limits, Location, RemoteSettings};
 use crate::state::{
     ApiKeys, ControlMode, ControlSettings, Endpoint, ServerOptions, UploadLimits,
     GRPC_HEADER_PREFIX,
@@ -28,9 +28,13 @@ use crate::telemetry::{LogLevels, MetricsConfig};
     about = "Image classification gateway: /predict, Triton model repositories, libtorch"
 )]
 pub struct Config {
-    /// Model repository in Triton layout (<model>/config.pbtxt, <model>/<version>/...).
-    /// Repeat the flag for several repositories (Triton's `--model-repository`, also
-    /// `--model-store`); a model name found in more than one is not served.
+    /// Model repository in Triton layout (<model>/config.pbtxt, <model>/<version>/...): a
+    /// directory, or in object storage as Triton spells it: `s3://bucket/path`,
+    /// `s3://host:port/bucket/path` (an S3-compatible host; `s3://https://host:port/...`
+    /// for TLS), `gs://bucket/path`, `as://account/container/path` (mirrored into
+    /// `--repository-cache-dir`). Repeat the flag for several repositories, of any kinds
+    /// (Triton's `--model-repository`, also `--model-store`); a model name found in more
+    /// than one is not served.
     #[arg(
         long,
         visible_alias = "model-store",
@@ -56,6 +60,28 @@ pub struct Config {
     /// Seconds between repository polls in `poll` mode.
     #[arg(long, env = "VISIONGATE_REPOSITORY_POLL_SECS", default_value_t = 15)]
     pub repository_poll_secs: u64,
+
+    /// Where remote repositories (s3://, gs://, as://) are mirrored before their models
+    /// load: one directory per repository, cleared at start-up, locked while the server
+    /// runs (default: `visiongate-repositories` in the temporary directory).
+    #[arg(long, env = "VISIONGATE_REPOSITORY_CACHE_DIR")]
+    pub repository_cache_dir: Option<PathBuf>,
+
+    /// Bytes the mirrors of remote repositories may hold together; a model that would
+    /// not fit is not downloaded (its load fails, naming this flag).
+    #[arg(long, env = "VISIONGATE_REPOSITORY_CACHE_MAX_BYTES", default_value_t = RemoteSettings::DEFAULT_MAX_CACHE_BYTES)]
+    pub repository_cache_max_bytes: u64,
+
+    /// The largest object downloaded from a remote repository; a model with a larger one
+    /// fails its load, naming the object.
+    #[arg(long, env = "VISIONGATE_REPOSITORY_MAX_OBJECT_BYTES", default_value_t = RemoteSettings::DEFAULT_MAX_OBJECT_BYTES)]
+    pub repository_max_object_bytes: u64,
+
+    /// The longest one request to a remote repository's store may take (a listing page,
+    /// one object's download), retries included; a failed connection or a 5xx answer is
+    /// retried three times with backoff within it.
+    #[arg(long, env = "VISIONGATE_REPOSITORY_TIMEOUT_SECS", default_value_t = RemoteSettings::DEFAULT_TIMEOUT_SECS)]
+    pub repository_timeout_secs: u64,
 
     /// In `explicit` mode, a model to load at start-up (repeat the flag, or `*` for all).
     /// As in Triton (since 2.48), it needs `--model-control-mode explicit`.
@@ -548,22 +574,39 @@ impl Config {
 
     /// Checks every flag and derives the settings; logs the Triton arguments that have no
     /// effect here (call after `telemetry::init`).
-    pub fn validate(mut self) -> Result<Settings, String> {
-        let mut repositories: Vec<PathBuf> = Vec::new();
+    pub fn validate(self) -> Result<Settings, String> {
+        let mut repositories: Vec<Location> = Vec::new();
         for repository in &self.model_repository {
-            if !repository.is_dir() {
-                return Err(format!(
-                    "--model-repository {} is not a directory",
-                    repository.display()
-                ));
+            let location = Location::parse(&repository.to_string_lossy())?;
+            if let Location::Local(dir) = &location {
+                if !dir.is_dir() {
+                    return Err(format!(
+                        "--model-repository {} is not a directory",
+                        dir.display()
+                    ));
+                }
             }
             // Named twice (even by two spellings) is one repository, as in Triton.
-            let same = |a: &PathBuf| a.canonicalize().ok() == repository.canonicalize().ok();
+            let same = |a: &Location| match (a, &location) {
+                (Location::Local(a), Location::Local(b)) => {
+                    a.canonicalize().ok() == b.canonicalize().ok()
+                }
+                (a, b) => a == b,
+            };
             if !repositories.iter().any(same) {
-                repositories.push(repository.clone());
+                repositories.push(location);
             }
         }
-        self.model_repository = repositories;
+        if self.repository_cache_max_bytes == 0
+            || self.repository_max_object_bytes == 0
+            || self.repository_timeout_secs == 0
+        {
+            return Err(
+                "--repository-cache-max-bytes, --repository-max-object-bytes and \
+                        --repository-timeout-secs must be at least 1"
+                    .into(),
+            );
+        }
         if !self.load_models.is_empty() && self.model_control_mode != ControlMode::Explicit {
             return Err("--load-model needs --model-control-mode=explicit as well".into());
         }
@@ -641,7 +684,16 @@ impl Config {
         }
         let control = ControlSettings {
             mode: self.model_control_mode,
-            repositories: self.model_repository.clone(),
+            repositories,
+            remote: RemoteSettings {
+                cache_dir: self
+                    .repository_cache_dir
+                    .clone()
+                    .unwrap_or_else(|| std::env::temp_dir().join("visiongate-repositories")),
+                max_cache_bytes: self.repository_cache_max_bytes,
+                max_object_bytes: self.repository_max_object_bytes,
+                timeout: Duration::from_secs(self.repository_timeout_secs),
+            },
             poll_interval: Duration::from_secs(self.repository_poll_secs),
             startup_models: self.load_models.clone(),
             limits: Limits {

@@ -212,7 +212,7 @@ pub fn repository_index(state: &AppState, ready_only: bool) -> Vec<IndexEntry> {
             .entry(name)
             .is_some_and(|e| !e.served.is_empty() || e.unavailable.is_some())
     };
-    let never_loaded = crate::repository::model_names(&state.registry.control.repositories)
+    let never_loaded = crate::repository::model_names(&state.registry.repositories.roots())
         .into_iter()
         .filter(|name| !known(name))
         .map(|name| IndexEntry {

@@ -3,11 +3,13 @@
 //! directories and label files. Parsing and file I/O only; used at start-up.
 
 mod parse;
+pub mod remote;
 mod spec;
 
 use std::path::{Path, PathBuf};
 
 pub use parse::{model_config_json, parse_model_config, parse_model_config_json};
+pub use remote::{Location, RemoteSettings, Repositories};
 pub(crate) use spec::model_kind;
 pub use spec::{
     BatchingSpec, ClassifierSpec, EnsembleSpec, GroupKind, InstanceGroupSpec, ModelKind,
@@ -49,6 +51,9 @@ pub enum RepositoryError {
         field: String,
         message: String,
     },
+    /// A remote repository, or one of its models, that could not be downloaded.
+    #[error("{0}")]
+    Remote(remote::RemoteError),
 }
 
 impl HasKind for RepositoryError {
@@ -59,6 +64,7 @@ impl HasKind for RepositoryError {
             RepositoryError::Parse { .. }
             | RepositoryError::Unsupported { .. }
             | RepositoryError::Invalid { .. } => ErrorKind::InvalidInput,
+            RepositoryError::Remote(_) => ErrorKind::NotReady,
         }
     }
 }

@@ -8,7 +8,6 @@
 //! A (re)load starts the new versions next to the serving ones and swaps them in only once
 //! they are warmed up; if they fail, the previous versions keep serving. Unloaded and
 //! replaced versions finish the requests they admitted before they stop.
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +15,7 @@ use super::build::{link_ensembles, Started};
 use super::restrict::{Endpoint, Restrictions};
 use super::{ModelTable, Registry};
 use crate::domain::ModelName;
-use crate::error::{ErrorKind, GatewayError};
+use crate::error::{ErrorKind, GatewayError, HasKind};
 use crate::repository::{self, ModelKind, RepositoryModel, ScanResult};
 use crate::scheduler::{ModelHandle, ModelState};
 
@@ -31,7 +30,9 @@ pub enum ControlMode {
 pub struct ControlSettings {
     pub mode: ControlMode,
     /// The model repositories (Triton's repeatable `--model-repository`).
-    pub repositories: Vec<PathBuf>,
+    pub repositories: Vec<repository::Location>,
+    /// The cache and limits of remote repositories.
+    pub remote: repository::RemoteSettings,
     pub poll_interval: Duration,
     /// Models loaded at start-up in explicit mode (`*`: all).
     pub startup_models: Vec<String>,
@@ -171,10 +172,25 @@ impl Registry {
     /// old ones still do.
     pub async fn load_model(&self, name: &str, config: Option<String>) -> Result<(), GatewayError> {
         ModelName::check(name).map_err(GatewayError::invalid)?;
-        let (roots, limits) = (self.control.repositories.clone(), self.control.limits);
-        let model = name.to_string();
+        let limits = self.control.limits;
+        let mut scan = self
+            .repositories
+            .scan(&limits)
+            .await
+            .map_err(|e| GatewayError::new(e.kind(), e.to_string()))?;
+        // A model a remote repository could not download fails its load with why.
+        if let Some(f) = scan
+            .failures
+            .iter()
+            .find(|f| f.model == name && matches!(f.error, repository::RepositoryError::Remote(_)))
+        {
+            return Err(GatewayError::new(
+                f.error.kind(),
+                format!("failed to load '{name}': {}", f.error),
+            ));
+        }
+        let (roots, model) = (self.repositories.roots(), name.to_string());
         let scan = tokio::task::spawn_blocking(move || {
-            let mut scan = repository::scan(&roots, &limits)?;
             if let Some(json) = config {
                 let Some(dir) = repository::model_dir(&roots, &model) else {
                     return Err(GatewayError::invalid(format!(
@@ -308,13 +324,12 @@ impl Registry {
     /// One poll: reloads the models whose files changed, loads new ones, unloads the
     /// ones gone from the repository. Errors are logged; serving models keep serving.
     pub async fn poll_repository(&self) {
-        let (roots, limits) = (self.control.repositories.clone(), self.control.limits);
-        let scan =
-            match tokio::task::spawn_blocking(move || repository::scan(&roots, &limits)).await {
-                Ok(Ok(scan)) => scan,
-                Ok(Err(e)) => return tracing::error!("repository poll failed: {e}"),
-                Err(e) => return tracing::error!("repository poll failed: {e}"),
-            };
+        let scan = match self.repositories.scan(&self.control.limits).await {
+            Ok(scan) => scan,
+            Err(e) => {
+                return tracing::error!("repository poll failed, serving what is loaded: {e}")
+            }
+        };
         let mut prints: Vec<(ModelName, u64)> = scan
             .models
             .iter()

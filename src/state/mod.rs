@@ -145,6 +145,8 @@ impl Default for ServerOptions {
 /// What the shared state is built with, besides the models' build options.
 pub struct StateSettings {
     pub control: ControlSettings,
+    /// The repositories `control` names, opened (remote ones' clients and caches).
+    pub repositories: crate::repository::Repositories,
     pub limits: UploadLimits,
     pub decode_threads: usize,
     /// Bytes of decoded images all decode threads together may hold.
@@ -182,7 +184,7 @@ impl AppState {
                 settings.decode_memory,
                 metrics.clone(),
             ),
-            registry: Registry::start(scan, opts, settings.control),
+            registry: Registry::start(scan, opts, settings.control, settings.repositories),
             drain: Default::default(),
             limits: settings.limits,
             metrics,

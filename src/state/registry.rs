@@ -7,13 +7,15 @@ use std::sync::{Arc, RwLock};
 use super::{BuildOptions, ControlSettings, LookupError, ModelTable, ServedModel};
 use crate::domain::{ModelName, ModelVersion};
 use crate::pipeline::ImagePipeline;
-use crate::repository::ScanResult;
+use crate::repository::{Repositories, ScanResult};
 use crate::scheduler::ModelHandle;
 
 pub struct Registry {
     table: RwLock<Arc<ModelTable>>,
     pub(super) build: BuildOptions,
     pub control: ControlSettings,
+    /// Every repository, read through [`Repositories::scan`] (remote ones synced first).
+    pub repositories: Repositories,
     /// Serializes load, unload, polls and stopping.
     pub(super) control_lock: tokio::sync::Mutex<()>,
     /// Models taken out of service and still finishing their requests (joined on stop,
@@ -23,11 +25,17 @@ pub struct Registry {
 
 impl Registry {
     /// Starts the models the control mode loads at start-up (call inside a Tokio runtime).
-    pub fn start(scan: ScanResult, build: BuildOptions, control: ControlSettings) -> Registry {
+    pub fn start(
+        scan: ScanResult,
+        build: BuildOptions,
+        control: ControlSettings,
+        repositories: Repositories,
+    ) -> Registry {
         let registry = Registry {
             table: RwLock::new(Arc::new(ModelTable::default())),
             build,
             control,
+            repositories,
             control_lock: tokio::sync::Mutex::new(()),
             retiring: Default::default(),
         };

@@ -252,6 +252,11 @@ impl Metrics {
         }
     }
 
+    /// Registers series kept elsewhere (the remote repositories').
+    pub fn register(&self, collector: Box<dyn prometheus::core::Collector>) {
+        self.registry.register(collector).expect("unique metric");
+    }
+
     /// A model version's series, created at zero (a dashboard sees the model before its
     /// traffic) and looked up once here: a label lookup hashes the values under the
     /// vector's lock, which the request and batch paths then skip.

@@ -44,9 +44,10 @@ def free_port():
 
 
 class Server:
-    def __init__(self, *args, repository=True, cwd=None):
+    def __init__(self, *args, repository=True, cwd=None, env=None):
         """`args` follow the test's ports; `repository=False` leaves out the bundled
-        repository (the test names its own); `cwd`: where the server runs."""
+        repository (the test names its own); `cwd`: where the server runs; `env`: its
+        environment (this process's when `None`)."""
         binary = os.environ.get("VISIONGATE_BIN")
         assert binary and os.path.exists(binary), "VISIONGATE_BIN must point at the built binary (make test sets it)"
         self.port = free_port()
@@ -70,6 +71,7 @@ class Server:
                 *args,
             ],
             cwd=cwd,
+            env=env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
