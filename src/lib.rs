@@ -63,10 +63,12 @@ impl Gateway {
             Repositories::open(&settings.control.repositories, &settings.control.remote)
                 .map_err(anyhow::Error::msg)
                 .context("opening the model repositories")?;
-        let scan = repositories
+        let (scan, reading) = repositories
             .scan(&settings.control.limits)
             .await
             .context("reading the model repository")?;
+        // Nothing else syncs before the server starts.
+        drop(reading);
         let engines = Engines::new(engine, settings.engine.clone())?;
         let decode_threads = decode_threads(&settings, &scan, &engines);
         let state = web::Data::new(build_state(

@@ -63,7 +63,8 @@ pub struct Config {
 
     /// Where remote repositories (s3://, gs://, as://) are mirrored before their models
     /// load: one directory per repository, cleared at start-up, locked while the server
-    /// runs (default: `visiongate-repositories` in the temporary directory).
+    /// runs (default: `visiongate-repositories-<uid>` in the temporary directory, which must
+    /// be this user's).
     #[arg(long, env = "VISIONGATE_REPOSITORY_CACHE_DIR")]
     pub repository_cache_dir: Option<PathBuf>,
 
@@ -686,10 +687,7 @@ impl Config {
             mode: self.model_control_mode,
             repositories,
             remote: RemoteSettings {
-                cache_dir: self
-                    .repository_cache_dir
-                    .clone()
-                    .unwrap_or_else(|| std::env::temp_dir().join("visiongate-repositories")),
+                cache_dir: self.repository_cache_dir.clone(),
                 max_cache_bytes: self.repository_cache_max_bytes,
                 max_object_bytes: self.repository_max_object_bytes,
                 timeout: Duration::from_secs(self.repository_timeout_secs),

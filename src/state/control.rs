@@ -173,7 +173,8 @@ impl Registry {
     pub async fn load_model(&self, name: &str, config: Option<String>) -> Result<(), GatewayError> {
         ModelName::check(name).map_err(GatewayError::invalid)?;
         let limits = self.control.limits;
-        let mut scan = self
+        // The mirrors stay as scanned until this load is done.
+        let (mut scan, _reading) = self
             .repositories
             .scan(&limits)
             .await
@@ -322,10 +323,17 @@ impl Registry {
     }
 
     /// One poll: reloads the models whose files changed, loads new ones, unloads the
-    /// ones gone from the repository. Errors are logged; serving models keep serving.
-    pub async fn poll_repository(&self) {
-        let scan = match self.repositories.scan(&self.control.limits).await {
-            Ok(scan) => scan,
+    /// ones gone from the repository. Errors are logged; serving models keep serving. A
+    /// stop while a remote repository downloads ends the poll there; its loads, once
+    /// begun, finish.
+    pub async fn poll_repository(&self, stop: &tokio_util::sync::CancellationToken) {
+        let scanned = tokio::select! {
+            scanned = self.repositories.scan(&self.control.limits) => scanned,
+            () = stop.cancelled() => return,
+        };
+        // The mirrors stay as scanned until this poll's loads are done.
+        let (scan, _reading) = match scanned {
+            Ok(scanned) => scanned,
             Err(e) => {
                 return tracing::error!("repository poll failed, serving what is loaded: {e}")
             }
@@ -397,7 +405,7 @@ impl Registry {
         tick.tick().await;
         loop {
             tokio::select! {
-                _ = tick.tick() => self.poll_repository().await,
+                _ = tick.tick() => self.poll_repository(&stop).await,
                 () = stop.cancelled() => return,
             }
         }

@@ -153,10 +153,17 @@ class Azure(Store):
                 "AZURE_STORAGE_ACCOUNT": AZ_ACCOUNT, "AZURE_STORAGE_KEY": key}
 
 
+# Beside the bundled repository in the seeds' bucket: the empty "folder" object an S3
+# console makes, and a file whose name needs escaping in a URL.
+EXTRA = {"classifier/1/": b"", "classifier/notes~v2 [draft].txt": b"not read by the server\n"}
+
+
 @pytest.fixture(scope="module")
 def s3():
     store = S3()
     store.upload("models", "triton-repo", repository_files())
+    for key, data in EXTRA.items():
+        store.put("models", f"triton-repo/{key}", data)
     yield store
     store.stop()
 
@@ -216,7 +223,10 @@ def test_the_seeds_arguments_serve_the_bundled_repository_from_s3(s3, server, al
         m = metrics(remote)
         assert re.search(r'visiongate_repository_syncs_total\{repository="s3://models/triton-repo",result="ok"\} [1-9]', m), m
         held = int(re.search(r'visiongate_repository_cache_bytes\{repository="s3://models/triton-repo"\} (\d+)', m).group(1))
-        assert held == sum(p.stat().st_size for _, p in repository_files())
+        assert held == sum(p.stat().st_size for _, p in repository_files()) + sum(map(len, EXTRA.values()))
+        cached = next((tmp_path / "cache").glob("s3-*[0-9a-f]"))
+        assert (cached / "classifier" / "notes~v2 [draft].txt").read_bytes() == EXTRA["classifier/notes~v2 [draft].txt"]
+        assert (cached / "classifier" / "1" / "model.pt").is_file()
         log = remote.log_path.read_text()
         assert "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in log  # where the credentials came from
         assert_no_secret(log, m)
@@ -313,11 +323,21 @@ def test_gcs_and_azure_serve_the_bundled_repository(kind, server, all_photos, tm
         url = "gs://models/triton-repo" if kind == "gs" else f"as://{AZ_ACCOUNT}/models/triton-repo"
         remote = Server(
             f"--model-repository={url}", f"--repository-cache-dir={tmp_path / 'cache'}",
+            "--model-control-mode=poll", "--repository-poll-secs=1",
             repository=False, env=environment(**store.env()),
         )
         try:
             photos = all_photos[:12]
             assert_same_answers(remote, server, photos)
+            # Polls list the store and download nothing: every object is recognised by its
+            # ETag and size, whichever form the store gives it in.
+            syncs = rf'visiongate_repository_syncs_total\{{repository="{re.escape(url)}",result="ok"\}} (\d+)'
+            downloaded = rf'visiongate_repository_downloaded_bytes_total\{{repository="{re.escape(url)}"\}} (\d+)'
+            before = int(re.search(downloaded, metrics(remote)).group(1))
+            first = int(re.search(syncs, metrics(remote)).group(1))
+            poll_until(lambda: int(re.search(syncs, metrics(remote)).group(1)) >= first + 3, 30, "three more polls")
+            assert int(re.search(downloaded, metrics(remote)).group(1)) == before
+            assert "model loaded" not in remote.log_path.read_text().split("model ready")[-1]
             assert_no_secret(remote.log_path.read_text(), metrics(remote))
         finally:
             remote.stop()
@@ -398,3 +418,33 @@ def test_a_path_that_lists_nothing_is_named(s3, tmp_path):
     )
     assert code == 1, out
     assert "s3://models/no-such-path: lists no model files" in out, out
+
+
+def test_an_explicit_load_reads_the_bucket_again(tmp_path):
+    s3 = S3()
+    try:
+        s3.upload("models", "triton-repo", repository_files())
+        key = ("x-control", "k3y")
+        remote = Server(
+            "--model-repository=s3://models/triton-repo", "--model-control-mode=explicit", "--load-model=*",
+            f"--repository-control-key={key[0]}={key[1]}", f"--repository-cache-dir={tmp_path / 'cache'}",
+            repository=False, env=environment(**s3.env(AWS_ENDPOINT_URL=s3.url)),
+        )
+        try:
+            assert served_versions(remote) == ["1"]
+            s3.put("models", "triton-repo/classifier/2/model.pt", (BUNDLED / "classifier" / "1" / "model.pt").read_bytes())
+            time.sleep(1)
+            assert served_versions(remote) == ["1"]  # nothing polls in explicit mode
+            r = requests.post(f"{remote.base}/v2/repository/models/classifier/load", headers=dict([key]), timeout=120)
+            assert r.status_code == 200, r.text
+            assert served_versions(remote) == ["2"]
+            # A load while the store is gone fails naming it; the loaded version keeps serving.
+            s3.stop()
+            r = requests.post(f"{remote.base}/v2/repository/models/classifier/load", headers=dict([key]), timeout=120)
+            assert r.status_code == 503, r.text
+            assert "s3://models/triton-repo: listing: cannot connect to the store" in r.json()["error"]
+            assert served_versions(remote) == ["2"]
+        finally:
+            remote.stop()
+    finally:
+        s3.stop()

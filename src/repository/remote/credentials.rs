@@ -46,9 +46,10 @@ impl Client {
     }
 }
 
-/// How long a client waits and how often it retries: each request (a listing page, one
-/// object's download) is cut at `timeout`; a failed connection or a 5xx is retried three
-/// times with backoff from 200 ms, within `timeout` in all.
+/// How long a client waits and how often it retries: a connection is given 10 s (at most
+/// `timeout`); a failed connection or a 5xx answer is retried three times with backoff
+/// from 200 ms, within `timeout` in all. A request as a whole has no limit (a large object
+/// takes what it takes): the mirror cuts one whose store sends nothing for `timeout`.
 pub struct Network {
     pub timeout: Duration,
 }
@@ -56,7 +57,7 @@ pub struct Network {
 impl Network {
     fn options(&self, allow_http: bool) -> ClientOptions {
         ClientOptions::new()
-            .with_timeout(self.timeout)
+            .with_timeout_disabled()
             .with_connect_timeout(Duration::from_secs(10).min(self.timeout))
             .with_allow_http(allow_http)
     }
@@ -222,7 +223,7 @@ fn s3(
     let plain_http = endpoint
         .as_deref()
         .is_some_and(|e| e.starts_with("http://"));
-    let mut builder = AmazonS3Builder::from_env()
+    let mut builder = s3_environment()
         .with_bucket_name(bucket)
         .with_region(region.unwrap_or_else(|| "us-east-1".into()))
         .with_virtual_hosted_style_request(false)
@@ -241,6 +242,28 @@ fn s3(
         }
     }
     Client::new(builder.build(), source, secrets)
+}
+
+/// object_store's settings from the `AWS_*` environment (web identity, container
+/// credentials, metadata endpoint, ...), less the key pair and token: those come only from
+/// the source chosen above, as in Triton.
+fn s3_environment() -> AmazonS3Builder {
+    const CHOSEN: [&str; 5] = [
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_TOKEN",
+        "AWS_SECURITY_TOKEN",
+    ];
+    let mut builder = AmazonS3Builder::new();
+    for (key, value) in std::env::vars() {
+        if key.starts_with("AWS_") && !CHOSEN.contains(&key.as_str()) {
+            if let Ok(config) = key.to_ascii_lowercase().parse() {
+                builder = builder.with_config(config, value);
+            }
+        }
+    }
+    builder
 }
 
 /// An AWS file: the variable's path, else `~/.aws/<name>`; its text, when there is one.

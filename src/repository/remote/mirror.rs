@@ -1,16 +1,18 @@
 //! One remote repository mirrored into a local directory, a model at a time: each sync
 //! lists the objects under the repository's prefix, and for every model whose objects
-//! changed (by ETag and size) downloads the changed ones beside the mirror, then moves
-//! them in together; a model whose download fails keeps its previous files. Models gone
-//! from the listing are removed.
+//! changed (by ETag and size) builds the model's new directory beside the mirror (the
+//! unchanged files linked from the old one, the changed ones downloaded) and exchanges it
+//! for the old one in one rename; a model whose download fails keeps its previous
+//! directory. Models gone from the listing are removed.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, ObjectStoreExt};
+use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt};
 use tokio::io::AsyncWriteExt;
 
 use super::credentials::Client;
@@ -26,12 +28,32 @@ const MAX_DEPTH: usize = 16;
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Stamp {
     size: u64,
-    /// The ETag, or the modification time where the store gives none.
+    /// The ETag without quotes or the weak mark (stores quote it in some answers and not
+    /// in others), or the modification time where the store gives none.
     tag: String,
+}
+
+impl Stamp {
+    fn of(meta: &ObjectMeta) -> Stamp {
+        let tag = match &meta.e_tag {
+            Some(tag) => tag.trim_start_matches("W/").trim_matches('"').to_string(),
+            None => meta.last_modified.timestamp_millis().to_string(),
+        };
+        Stamp {
+            size: meta.size,
+            tag,
+        }
+    }
 }
 
 /// A model's objects, by their path inside the model's directory.
 type ModelObjects = BTreeMap<String, Stamp>;
+
+/// A listed object: its stamp, and its location in the store as listed.
+struct Listed {
+    stamp: Stamp,
+    location: ObjectPath,
+}
 
 pub struct Mirror {
     pub url: RemoteUrl,
@@ -39,7 +61,7 @@ pub struct Mirror {
     prefix: Option<ObjectPath>,
     /// The mirror: one directory per model, as a local repository.
     pub root: PathBuf,
-    /// Downloads in progress, moved into `root` once a model's are all in.
+    /// Models' new directories while they are built, exchanged into `root` once whole.
     incoming: PathBuf,
     /// What `root` holds now, per model.
     held: Mutex<BTreeMap<String, ModelObjects>>,
@@ -65,9 +87,8 @@ impl Mirror {
             url.scheme(),
             xxhash_rust::xxh3::xxh3_64(url.text.as_bytes())
         );
-        let dir = &settings.cache_dir;
-        std::fs::create_dir_all(dir)
-            .map_err(|e| format!("--repository-cache-dir: cannot create it: {e}"))?;
+        let dir = &settings.cache_dir();
+        private_dir(dir, settings.cache_dir.is_none())?;
         let lock = lock(&dir.join(format!("{id}.lock")))?;
         let root = dir.join(&id);
         let incoming = dir.join(format!("{id}.incoming"));
@@ -78,10 +99,12 @@ impl Mirror {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(format!("--repository-cache-dir: cannot clear it: {e}")),
             }
-            std::fs::create_dir_all(d)
-                .map_err(|e| format!("--repository-cache-dir: cannot create it: {e}"))?;
+            private_dir(d, true)?;
         }
-        let prefix = (!url.prefix.is_empty()).then(|| ObjectPath::from(url.prefix.as_str()));
+        let prefix = match url.prefix.as_str() {
+            "" => None,
+            p => Some(ObjectPath::parse(p).map_err(|e| format!("{url}: the path: {e}"))?),
+        };
         Ok(Mirror {
             url,
             client,
@@ -100,13 +123,14 @@ impl Mirror {
     /// Brings the mirror up to date with the store. An error (the store unreachable, the
     /// credentials refused, nothing listed) leaves the mirror as it was; a model that
     /// cannot be brought up to date is one of the returned failures, its files as they were.
-    /// `cache_left` is what the cache may hold for this repository.
+    /// `cache_left` is what the cache may hold for this repository: models already held
+    /// and unchanged count first, then the others in name order.
     pub async fn sync(
         &self,
         settings: &RemoteSettings,
         cache_left: u64,
     ) -> Result<Synced, RemoteError> {
-        let listed = self.list().await?;
+        let listed = self.list(settings.timeout).await?;
         if listed.is_empty() {
             return Err(self.error(
                 Reason::Empty,
@@ -117,60 +141,58 @@ impl Mirror {
             ));
         }
         let held = self.held.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let mut failures = Vec::new();
-        let mut bytes_held = 0u64;
-        let mut bytes_downloaded = 0u64;
-        for (model, objects) in &listed {
-            let size: u64 = objects.values().map(|s| s.size).sum();
-            if let Some((name, stamp)) = objects
+        let stamps = |objects: &BTreeMap<String, Listed>| -> ModelObjects {
+            objects
                 .iter()
-                .find(|(_, s)| s.size > settings.max_object_bytes)
+                .map(|(n, l)| (n.clone(), l.stamp.clone()))
+                .collect()
+        };
+        let unchanged = |model: &String, objects: &BTreeMap<String, Listed>| {
+            held.get(model) == Some(&stamps(objects))
+        };
+        let mut bytes_held: u64 = listed
+            .iter()
+            .filter(|(m, o)| unchanged(m, o))
+            .map(|(m, _)| held_size(&held, m))
+            .sum();
+        let mut failures = Vec::new();
+        let mut bytes_downloaded = 0u64;
+        for (model, objects) in listed.iter().filter(|(m, o)| !unchanged(m, o)) {
+            let size: u64 = objects.values().map(|l| l.stamp.size).sum();
+            let old = held_size(&held, model);
+            if let Some((name, l)) = objects
+                .iter()
+                .find(|(_, l)| l.stamp.size > settings.max_object_bytes)
             {
-                failures.push((
-                    model.clone(),
-                    self.error(
-                        Reason::TooLarge,
-                        format!(
-                            "object '{model}/{name}' is {} bytes, over \
-                             --repository-max-object-bytes {}",
-                            stamp.size, settings.max_object_bytes
-                        ),
-                    ),
-                ));
-                bytes_held += held_size(&held, model);
+                let message = format!(
+                    "object '{model}/{name}' is {} bytes, over --repository-max-object-bytes {}",
+                    l.stamp.size, settings.max_object_bytes
+                );
+                failures.push((model.clone(), self.error(Reason::TooLarge, message)));
+                bytes_held += old;
                 continue;
             }
             if bytes_held + size > cache_left {
-                failures.push((
-                    model.clone(),
-                    self.error(
-                        Reason::CacheFull,
-                        format!(
-                            "model '{model}' ({size} bytes) does not fit in the repository \
-                             cache: {bytes_held} bytes of this repository's models before it, \
-                             --repository-cache-max-bytes {}",
-                            settings.max_cache_bytes
-                        ),
-                    ),
-                ));
-                bytes_held += held_size(&held, model);
-                continue;
-            }
-            if held.get(model) == Some(objects) {
-                bytes_held += size;
+                let message = format!(
+                    "model '{model}' ({size} bytes) does not fit in the repository cache: \
+                     {bytes_held} bytes of other models held, --repository-cache-max-bytes {}",
+                    settings.max_cache_bytes
+                );
+                failures.push((model.clone(), self.error(Reason::CacheFull, message)));
+                bytes_held += old;
                 continue;
             }
             match self.update(model, objects, held.get(model), settings).await {
-                Ok((stamps, downloaded)) => {
+                Ok(downloaded) => {
                     bytes_downloaded += downloaded;
-                    bytes_held += stamps.values().map(|s| s.size).sum::<u64>();
+                    bytes_held += size;
                     self.held
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
-                        .insert(model.clone(), stamps);
+                        .insert(model.clone(), stamps(objects));
                 }
                 Err(e) => {
-                    bytes_held += held_size(&held, model);
+                    bytes_held += old;
                     failures.push((model.clone(), e));
                 }
             }
@@ -192,12 +214,17 @@ impl Mirror {
     }
 
     /// Every object under the prefix, by model and path inside it. Objects at the top of
-    /// the repository (no model directory) are left out, as Triton does.
-    async fn list(&self) -> Result<BTreeMap<String, ModelObjects>, RemoteError> {
-        let mut models: BTreeMap<String, ModelObjects> = BTreeMap::new();
+    /// the repository (no model directory) are left out, as Triton does, and so are the
+    /// empty objects that consoles and sync tools create as folders (`model/1/`).
+    async fn list(
+        &self,
+        idle: Duration,
+    ) -> Result<BTreeMap<String, BTreeMap<String, Listed>>, RemoteError> {
+        let mut models: BTreeMap<String, BTreeMap<String, Listed>> = BTreeMap::new();
         let mut stream = self.client.store.list(self.prefix.as_ref());
+        let skip = self.prefix.as_ref().map_or(0, |p| p.parts().count());
         let mut count = 0usize;
-        while let Some(item) = stream.next().await {
+        while let Some(item) = self.within(idle, "listing", stream.next()).await? {
             let meta = item.map_err(|e| self.store_error("listing", e))?;
             count += 1;
             if count > MAX_OBJECTS {
@@ -211,7 +238,6 @@ impl Mirror {
                 .parts()
                 .map(|p| p.as_ref().to_string())
                 .collect();
-            let skip = self.prefix.as_ref().map_or(0, |p| p.parts().count());
             let inside = &parts[skip.min(parts.len())..];
             if inside.len() < 2 {
                 continue;
@@ -220,121 +246,131 @@ impl Mirror {
                 tracing::warn!(repository = %self.url, object = %meta.location, "object left out: its path cannot be a file of a model");
                 continue;
             }
-            let tag = meta
-                .e_tag
-                .clone()
-                .unwrap_or_else(|| meta.last_modified.timestamp_millis().to_string());
             models.entry(inside[0].clone()).or_default().insert(
                 inside[1..].join("/"),
-                Stamp {
-                    size: meta.size,
-                    tag,
+                Listed {
+                    stamp: Stamp::of(&meta),
+                    location: meta.location,
                 },
             );
+        }
+        for objects in models.values_mut() {
+            let folders: Vec<String> = objects
+                .iter()
+                .filter(|(name, l)| {
+                    l.stamp.size == 0
+                        && objects
+                            .range(format!("{name}/")..)
+                            .next()
+                            .is_some_and(|(n, _)| n.starts_with(&format!("{name}/")))
+                })
+                .map(|(name, _)| name.clone())
+                .collect();
+            for name in folders {
+                objects.remove(&name);
+            }
         }
         Ok(models)
     }
 
-    /// Downloads the objects of `model` that differ from what the mirror holds, then moves
-    /// them in and removes the files no longer listed; on failure nothing in the mirror
-    /// changed. Returns the model's stamps as downloaded, and the bytes downloaded.
+    /// Builds `model`'s new directory in the incoming area (files unchanged since `held`
+    /// linked from the mirror, the others downloaded), then exchanges it for the mirror's
+    /// in one rename. On failure the mirror is as it was. Returns the bytes downloaded.
     async fn update(
         &self,
         model: &str,
-        listed: &ModelObjects,
+        listed: &BTreeMap<String, Listed>,
         held: Option<&ModelObjects>,
         settings: &RemoteSettings,
-    ) -> Result<(ModelObjects, u64), RemoteError> {
+    ) -> Result<u64, RemoteError> {
         let staging = self.incoming.join(model);
         let _ = std::fs::remove_dir_all(&staging);
-        let result = self.download(model, listed, held, &staging, settings).await;
-        let outcome = match result {
-            Ok((stamps, downloaded)) => self
-                .move_in(model, &stamps, &staging)
-                .map(|()| (stamps, downloaded))
+        let built = self.build(model, listed, held, &staging, settings).await;
+        let outcome = built.and_then(|downloaded| {
+            exchange(&staging, &self.root.join(model))
+                .map(|()| downloaded)
                 .map_err(|e| {
                     self.error(
                         Reason::Io,
                         format!("model '{model}': cannot write the cache: {e}"),
                     )
-                }),
-            Err(e) => Err(e),
-        };
+                })
+        });
+        // The old directory after an exchange, or what a failed build left.
         let _ = std::fs::remove_dir_all(&staging);
         outcome
     }
 
-    async fn download(
+    async fn build(
         &self,
         model: &str,
-        listed: &ModelObjects,
+        listed: &BTreeMap<String, Listed>,
         held: Option<&ModelObjects>,
         staging: &Path,
         settings: &RemoteSettings,
-    ) -> Result<(ModelObjects, u64), RemoteError> {
-        let mut stamps = ModelObjects::new();
+    ) -> Result<u64, RemoteError> {
+        let io = |e: std::io::Error| {
+            self.error(
+                Reason::Io,
+                format!("model '{model}': cannot write the cache: {e}"),
+            )
+        };
         let mut downloaded = 0u64;
-        for (name, stamp) in listed {
-            if held.and_then(|h| h.get(name)) == Some(stamp) {
-                stamps.insert(name.clone(), stamp.clone());
+        for (name, l) in listed {
+            let target = staging.join(name);
+            if let Some(parent) = target.parent() {
+                std::fs::create_dir_all(parent).map_err(io)?;
+            }
+            let current = self.root.join(model).join(name);
+            if held.and_then(|h| h.get(name)) == Some(&l.stamp)
+                && std::fs::hard_link(&current, &target).is_ok()
+            {
                 continue;
             }
-            let key = match &self.prefix {
-                Some(p) => format!("{p}/{model}/{name}"),
-                None => format!("{model}/{name}"),
-            };
-            let target = staging.join(name);
-            let fetch = self.fetch(&key, &target, settings.max_object_bytes);
-            let got = tokio::time::timeout(settings.timeout, fetch)
-                .await
-                .map_err(|_| {
-                    self.error(
-                        Reason::Timeout,
-                        format!(
-                            "object '{model}/{name}' did not download within \
-                             --repository-timeout-secs {}",
-                            settings.timeout.as_secs()
-                        ),
-                    )
-                })??;
-            downloaded += got.size;
-            stamps.insert(name.clone(), got);
+            let what = format!("object '{model}/{name}'");
+            self.fetch(&what, l, &target, settings).await?;
+            downloaded += l.stamp.size;
         }
-        Ok((stamps, downloaded))
+        Ok(downloaded)
     }
 
-    /// One object streamed to `target`, at most `limit` bytes.
-    async fn fetch(&self, key: &str, target: &Path, limit: u64) -> Result<Stamp, RemoteError> {
-        let what = format!("object '{}'", self.relative(key));
+    /// One object streamed to `target`: at most `--repository-max-object-bytes`, the size
+    /// and ETag it was listed with (else it changed since: the next sync takes it), and no
+    /// wait for the store's answer or its next bytes longer than the timeout.
+    async fn fetch(
+        &self,
+        what: &str,
+        listed: &Listed,
+        target: &Path,
+        settings: &RemoteSettings,
+    ) -> Result<(), RemoteError> {
+        let idle = settings.timeout;
         let result = self
-            .client
-            .store
-            .get(&ObjectPath::from(key))
-            .await
-            .map_err(|e| self.store_error(&what, e))?;
+            .within(idle, what, self.client.store.get(&listed.location))
+            .await?
+            .map_err(|e| self.store_error(what, e))?;
         let size = result.meta.size;
+        let limit = settings.max_object_bytes;
         if size > limit {
             return Err(self.error(
                 Reason::TooLarge,
                 format!("{what} is {size} bytes, over --repository-max-object-bytes {limit}"),
             ));
         }
-        let tag = result
-            .meta
-            .e_tag
-            .clone()
-            .unwrap_or_else(|| result.meta.last_modified.timestamp_millis().to_string());
+        if Stamp::of(&result.meta) != listed.stamp {
+            return Err(self.error(
+                Reason::Other,
+                format!("{what} changed while the repository was read; the next sync takes it"),
+            ));
+        }
         let io = |e: std::io::Error| {
             self.error(Reason::Io, format!("{what}: cannot write the cache: {e}"))
         };
-        if let Some(parent) = target.parent() {
-            tokio::fs::create_dir_all(parent).await.map_err(io)?;
-        }
         let mut file = tokio::fs::File::create(target).await.map_err(io)?;
         let mut written = 0u64;
         let mut stream = result.into_stream();
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| self.store_error(&what, e))?;
+        while let Some(chunk) = self.within(idle, what, stream.next()).await? {
+            let chunk = chunk.map_err(|e| self.store_error(what, e))?;
             written += chunk.len() as u64;
             if written > size {
                 return Err(self.error(
@@ -350,35 +386,25 @@ impl Mirror {
                 format!("{what} ended after {written} of its {size} bytes"),
             ));
         }
-        file.sync_all().await.map_err(io)?;
-        Ok(Stamp { size, tag })
+        file.sync_all().await.map_err(io)
     }
 
-    /// Moves a model's downloaded files into the mirror and removes the ones not listed.
-    fn move_in(&self, model: &str, stamps: &ModelObjects, staging: &Path) -> std::io::Result<()> {
-        let dir = self.root.join(model);
-        for name in stamps.keys() {
-            let from = staging.join(name);
-            if from.exists() {
-                let to = dir.join(name);
-                if let Some(parent) = to.parent() {
-                    std::fs::create_dir_all(parent)?;
-                }
-                std::fs::rename(&from, &to)?;
-            }
-        }
-        remove_unlisted(&dir, &dir, stamps)?;
-        Ok(())
-    }
-
-    fn relative(&self, key: &str) -> String {
-        match &self.prefix {
-            Some(p) => key
-                .strip_prefix(&format!("{p}/"))
-                .unwrap_or(key)
-                .to_string(),
-            None => key.to_string(),
-        }
+    /// `step`, unless the store keeps it waiting longer than `idle`.
+    async fn within<T>(
+        &self,
+        idle: Duration,
+        what: &str,
+        step: impl std::future::Future<Output = T>,
+    ) -> Result<T, RemoteError> {
+        tokio::time::timeout(idle, step).await.map_err(|_| {
+            self.error(
+                Reason::Timeout,
+                format!(
+                    "{what}: the store sent nothing for --repository-timeout-secs {}",
+                    idle.as_secs()
+                ),
+            )
+        })
     }
 
     fn error(&self, reason: Reason, message: String) -> RemoteError {
@@ -449,7 +475,12 @@ impl Mirror {
                         format!("{what}: the store answered {status}{code}"),
                     ),
                     None => {
-                        tracing::debug!(repository = %self.url, "{what}: {}", self.client.redact(&text));
+                        // The store's text without query strings (a signed URL's) or secrets.
+                        let plain: Vec<&str> = text
+                            .split_whitespace()
+                            .map(|w| w.split('?').next().unwrap_or(""))
+                            .collect();
+                        tracing::debug!(repository = %self.url, "{what}: {}", self.client.redact(&plain.join(" ")));
                         (
                             Reason::Other,
                             format!("{what}: the request to the store failed"),
@@ -472,26 +503,50 @@ fn safe_segment(s: &str) -> bool {
     !s.is_empty() && s != "." && s != ".." && s.len() <= 255 && !s.contains(['\0', '\\'])
 }
 
-/// Removes the files below `dir` that `stamps` does not list, and directories left empty.
-fn remove_unlisted(base: &Path, dir: &Path, stamps: &ModelObjects) -> std::io::Result<()> {
-    for entry in std::fs::read_dir(dir)? {
-        let entry = entry?;
-        let path = entry.path();
-        if entry.file_type()?.is_dir() {
-            remove_unlisted(base, &path, stamps)?;
-            if std::fs::read_dir(&path)?.next().is_none() {
-                std::fs::remove_dir(&path)?;
-            }
-        } else {
-            let name = path
-                .strip_prefix(base)
-                .unwrap_or(&path)
-                .to_string_lossy()
-                .into_owned();
-            if !stamps.contains_key(&name) {
-                std::fs::remove_file(&path)?;
-            }
-        }
+/// Puts the directory `new` at `live`: exchanged with the one there in one rename (the old
+/// one is left at `new`), or renamed there when there is none.
+fn exchange(new: &Path, live: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    if !live.exists() {
+        return std::fs::rename(new, live);
+    }
+    let c =
+        |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
+    let (from, to) = (c(new)?, c(live)?);
+    // SAFETY: two NUL-terminated paths that outlive the call.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// `dir`, created private to this user where missing; with `own`, one another user owns is
+/// refused (the default cache lies in the shared temporary directory).
+fn private_dir(dir: &Path, own: bool) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| format!("--repository-cache-dir: cannot create it: {e}"))?;
+    let meta = std::fs::metadata(dir)
+        .map_err(|e| format!("--repository-cache-dir: cannot read it: {e}"))?;
+    // SAFETY: geteuid has no preconditions.
+    if own && meta.uid() != unsafe { libc::geteuid() } {
+        return Err(format!(
+            "--repository-cache-dir {}: owned by another user; give a directory of this one",
+            dir.display()
+        ));
     }
     Ok(())
 }

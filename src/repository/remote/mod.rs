@@ -22,8 +22,10 @@ use mirror::Mirror;
 /// The remote repositories' cache and network limits (the `--repository-*` flags).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RemoteSettings {
-    /// Where remote repositories are mirrored (`--repository-cache-dir`).
-    pub cache_dir: PathBuf,
+    /// Where remote repositories are mirrored (`--repository-cache-dir`); by default
+    /// `visiongate-repositories-<uid>` in the temporary directory, which must be this
+    /// user's.
+    pub cache_dir: Option<PathBuf>,
     /// The bytes the mirrors may hold together (`--repository-cache-max-bytes`).
     pub max_cache_bytes: u64,
     /// The largest object downloaded (`--repository-max-object-bytes`).
@@ -37,6 +39,14 @@ impl RemoteSettings {
     pub const DEFAULT_MAX_CACHE_BYTES: u64 = 64 << 30;
     pub const DEFAULT_MAX_OBJECT_BYTES: u64 = 16 << 30;
     pub const DEFAULT_TIMEOUT_SECS: u64 = 300;
+
+    pub fn cache_dir(&self) -> PathBuf {
+        self.cache_dir.clone().unwrap_or_else(|| {
+            // SAFETY: geteuid has no preconditions.
+            let uid = unsafe { libc::geteuid() };
+            std::env::temp_dir().join(format!("visiongate-repositories-{uid}"))
+        })
+    }
 }
 
 /// Why a remote repository or one of its models could not be read (a metric label).
@@ -86,10 +96,16 @@ enum Source {
 pub struct Repositories {
     sources: Vec<Source>,
     settings: Option<RemoteSettings>,
-    /// One sync at a time (a poll, explicit loads).
-    sync_lock: tokio::sync::Mutex<Vec<u64>>,
+    /// A sync holds it to write; a scan, and the loads that read what it scanned, to read:
+    /// no sync changes a mirror under a load.
+    gate: tokio::sync::RwLock<()>,
+    /// What each remote repository's mirror holds (bytes), by source.
+    held: std::sync::Mutex<Vec<u64>>,
     metrics: RemoteMetrics,
 }
+
+/// Held while models load from what a scan read: the mirrors do not change meanwhile.
+pub type Reading<'a> = tokio::sync::RwLockReadGuard<'a, ()>;
 
 /// The remote repositories' series (registered with the server's others).
 #[derive(Clone)]
@@ -141,7 +157,8 @@ impl Repositories {
         Repositories {
             sources: roots.into_iter().map(Source::Local).collect(),
             settings: None,
-            sync_lock: Default::default(),
+            gate: Default::default(),
+            held: Default::default(),
             metrics: RemoteMetrics::new(),
         }
     }
@@ -172,7 +189,8 @@ impl Repositories {
         Ok(Repositories {
             sources,
             settings: Some(settings.clone()),
-            sync_lock: tokio::sync::Mutex::new(held),
+            gate: Default::default(),
+            held: std::sync::Mutex::new(held),
             metrics: RemoteMetrics::new(),
         })
     }
@@ -207,9 +225,15 @@ impl Repositories {
     /// Brings every remote repository's mirror up to date, then reads them all as local
     /// repositories. A remote repository that cannot be read fails the scan (nothing is
     /// taken for removed); a model that could not be brought up to date is a failure of
-    /// the scan's, not one of its models, whatever its mirror still holds.
-    pub async fn scan(&self, limits: &Limits) -> Result<ScanResult, RepositoryError> {
+    /// the scan's, not one of its models, whatever its mirror still holds. The mirrors
+    /// stay as scanned while the returned guard is held (the loads of what it found).
+    pub async fn scan(
+        &self,
+        limits: &Limits,
+    ) -> Result<(ScanResult, Reading<'_>), RepositoryError> {
+        let writing = self.gate.write().await;
         let failures = self.sync().await?;
+        let reading = writing.downgrade();
         let (roots, limits) = (self.roots(), *limits);
         let mut scan = tokio::task::spawn_blocking(move || super::scan(&roots, &limits))
             .await
@@ -222,21 +246,24 @@ impl Repositories {
                 error: RepositoryError::Remote(error),
             });
         }
-        Ok(scan)
+        Ok((scan, reading))
     }
 
+    /// Call with the gate held to write.
     async fn sync(&self) -> Result<Vec<(String, RemoteError)>, RepositoryError> {
         let Some(settings) = &self.settings else {
             return Ok(Vec::new());
         };
-        let mut held = self.sync_lock.lock().await;
         let mut failures = Vec::new();
         for (i, source) in self.sources.iter().enumerate() {
             let Source::Remote(mirror) = source else {
                 continue;
             };
             let label = [mirror.url.text.as_str()];
-            let others: u64 = held
+            let others: u64 = self
+                .held
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
                 .iter()
                 .enumerate()
                 .filter(|(j, _)| *j != i)
@@ -256,7 +283,7 @@ impl Repositories {
                     m.cache_bytes
                         .with_label_values(&label)
                         .set(synced.bytes_held as i64);
-                    held[i] = synced.bytes_held;
+                    self.held.lock().unwrap_or_else(|p| p.into_inner())[i] = synced.bytes_held;
                     if synced.bytes_downloaded > 0 {
                         tracing::info!(
                             repository = %mirror.url,
