@@ -67,8 +67,7 @@ impl Gateway {
             .scan(&settings.control.limits)
             .await
             .context("reading the model repository")?;
-        // Nothing else syncs before the server starts.
-        drop(reading);
+
         let engines = Engines::new(engine, settings.engine.clone())?;
         let decode_threads = decode_threads(&settings, &scan, &engines);
         let state = web::Data::new(build_state(
@@ -82,6 +81,15 @@ impl Gateway {
         // Free memory back to the system after 10 s without a batch or a decode.
         let idle = background.child_token();
         tokio::spawn(memory::release_when_idle(Duration::from_secs(10), idle));
+        // No sync (a poll, an explicit load) changes a mirror before the models it holds
+        // have loaded from it.
+        let loading = state.registry.handles();
+        tokio::spawn(async move {
+            for handle in loading {
+                handle.wait_loaded().await;
+            }
+            drop(reading);
+        });
         let poll_task = (settings.control.mode == state::ControlMode::Poll).then(|| {
             let (state, stop) = (state.clone(), background.child_token());
             tokio::spawn(async move { state.registry.poll_loop(stop).await })

@@ -6,6 +6,7 @@ Azure's own authentication services (moto and fake-gcs-server take any credentia
 azurite checks shared-key signatures), their TLS endpoints, and instance credentials
 (instance metadata, web identity)."""
 
+import json
 import os
 import re
 import shutil
@@ -448,3 +449,56 @@ def test_an_explicit_load_reads_the_bucket_again(tmp_path):
             remote.stop()
     finally:
         s3.stop()
+
+
+def test_triton_cloud_credential_path_takes_the_longest_matching_entry(tmp_path):
+    # Azurite checks shared-key signatures: only the right key reads the container.
+    store = Azure()
+    try:
+        store.upload("models", "triton-repo", repository_files())
+        wrong = AZ_KEY[:10] + ("A" if AZ_KEY[10] != "A" else "B") + AZ_KEY[11:]
+        url = f"as://{AZ_ACCOUNT}/models/triton-repo"
+        credentials = tmp_path / "credentials.json"
+        # The environment's key is wrong too: with the file set, only the file counts.
+        env = environment(**store.env(key=wrong), TRITON_CLOUD_CREDENTIAL_PATH=str(credentials))
+        credentials.write_text(json.dumps({"as": {
+            "": {"account_str": AZ_ACCOUNT, "account_key": wrong},
+            f"as://{AZ_ACCOUNT}/models": {"account_str": AZ_ACCOUNT, "account_key": AZ_KEY},
+            f"as://{AZ_ACCOUNT}/other": {"account_str": AZ_ACCOUNT, "account_key": wrong},
+        }}))
+        remote = Server(f"--model-repository={url}", f"--repository-cache-dir={tmp_path / 'cache'}", repository=False, env=env)
+        try:
+            assert served_versions(remote) == ["1"]
+            assert f'TRITON_CLOUD_CREDENTIAL_PATH (entry \\"as://{AZ_ACCOUNT}/models\\")' in remote.log_path.read_text()
+        finally:
+            remote.stop()
+        # Only the catch-all entry, with the wrong key: refused, naming the entry.
+        credentials.write_text(json.dumps({"as": {"": {"account_str": AZ_ACCOUNT, "account_key": wrong}}}))
+        code, out = run_binary([f"--model-repository={url}", f"--repository-cache-dir={tmp_path / 'cache'}"], env)
+        assert code == 1, out
+        assert 'the store refused the credentials (403 Forbidden, AuthorizationFailure); they came from ' \
+               'TRITON_CLOUD_CREDENTIAL_PATH (entry "")' in out, out
+        assert wrong not in out and AZ_KEY not in out
+        # No "as" section: refused before anything is asked of the store.
+        credentials.write_text(json.dumps({"s3": {}}))
+        code, out = run_binary([f"--model-repository={url}", f"--repository-cache-dir={tmp_path / 'cache'}"], env)
+        assert code == 1 and 'TRITON_CLOUD_CREDENTIAL_PATH has no "as" section' in out, out
+    finally:
+        store.stop()
+
+
+def test_the_aws_profile_files_are_read(s3, tmp_path):
+    (tmp_path / "credentials").write_text(f"[default]\naws_access_key_id = nope\n\n[ci]\naws_access_key_id = {S3_KEY}\n"
+                                          f"aws_secret_access_key = {S3_SECRET}\n")
+    (tmp_path / "config").write_text("[profile ci]\nregion = eu-west-1\n")
+    env = environment(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "credentials"), AWS_CONFIG_FILE=str(tmp_path / "config"),
+                      AWS_PROFILE="ci", AWS_ENDPOINT_URL=s3.url)
+    remote = Server("--model-repository=s3://models/triton-repo", f"--repository-cache-dir={tmp_path / 'cache'}",
+                    repository=False, env=env)
+    try:
+        assert served_versions(remote) == ["1"]
+        log = remote.log_path.read_text()
+        assert "the profile 'ci' of the AWS credentials file" in log
+        assert_no_secret(log, metrics(remote))
+    finally:
+        remote.stop()

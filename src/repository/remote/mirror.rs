@@ -36,7 +36,7 @@ struct Stamp {
 impl Stamp {
     fn of(meta: &ObjectMeta) -> Stamp {
         let tag = match &meta.e_tag {
-            Some(tag) => tag.trim_start_matches("W/").trim_matches('"').to_string(),
+            Some(tag) => plain_tag(tag),
             None => meta.last_modified.timestamp_millis().to_string(),
         };
         Stamp {
@@ -49,10 +49,17 @@ impl Stamp {
 /// A model's objects, by their path inside the model's directory.
 type ModelObjects = BTreeMap<String, Stamp>;
 
-/// A listed object: its stamp, and its location in the store as listed.
+/// A listed object: its stamp, ETag and location in the store as listed.
 struct Listed {
     stamp: Stamp,
+    e_tag: Option<String>,
     location: ObjectPath,
+}
+
+/// An ETag without quotes or the weak mark (stores quote it in some answers and not in
+/// others).
+fn plain_tag(tag: &str) -> String {
+    tag.trim_start_matches("W/").trim_matches('"').to_string()
 }
 
 pub struct Mirror {
@@ -199,7 +206,7 @@ impl Mirror {
         }
         // Models no longer listed.
         for model in held.keys().filter(|m| !listed.contains_key(*m)) {
-            let _ = std::fs::remove_dir_all(self.root.join(model));
+            remove(&self.root.join(model));
             self.held
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -250,6 +257,7 @@ impl Mirror {
                 inside[1..].join("/"),
                 Listed {
                     stamp: Stamp::of(&meta),
+                    e_tag: meta.e_tag.as_deref().map(plain_tag),
                     location: meta.location,
                 },
             );
@@ -284,7 +292,7 @@ impl Mirror {
         settings: &RemoteSettings,
     ) -> Result<u64, RemoteError> {
         let staging = self.incoming.join(model);
-        let _ = std::fs::remove_dir_all(&staging);
+        remove(&staging);
         let built = self.build(model, listed, held, &staging, settings).await;
         let outcome = built.and_then(|downloaded| {
             exchange(&staging, &self.root.join(model))
@@ -296,8 +304,8 @@ impl Mirror {
                     )
                 })
         });
-        // The old directory after an exchange, or what a failed build left.
-        let _ = std::fs::remove_dir_all(&staging);
+        // The old directory (or file) after an exchange, or what a failed build left.
+        remove(&staging);
         outcome
     }
 
@@ -357,7 +365,12 @@ impl Mirror {
                 format!("{what} is {size} bytes, over --repository-max-object-bytes {limit}"),
             ));
         }
-        if Stamp::of(&result.meta) != listed.stamp {
+        // The size always; the ETag where both answers carry one (a store may leave it,
+        // or the modification time's precision, out of one of them).
+        let e_tag = result.meta.e_tag.as_deref().map(plain_tag);
+        let changed = size != listed.stamp.size
+            || matches!((&e_tag, &listed.e_tag), (Some(a), Some(b)) if a != b);
+        if changed {
             return Err(self.error(
                 Reason::Other,
                 format!("{what} changed while the repository was read; the next sync takes it"),
@@ -524,9 +537,34 @@ fn exchange(new: &Path, live: &Path) -> std::io::Result<()> {
         )
     };
     if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
+        return Ok(());
+    }
+    let error = std::io::Error::last_os_error();
+    match error.raw_os_error() {
+        // A file system (or a seccomp policy) without the exchange: two renames. No load
+        // reads the mirror meanwhile (the sync holds the gate).
+        Some(libc::EINVAL | libc::ENOSYS | libc::EPERM) => {
+            let name = new.file_name().unwrap_or_default().to_string_lossy();
+            let aside = new.with_file_name(format!(".aside-{name}"));
+            remove(&aside);
+            std::fs::rename(live, &aside)?;
+            std::fs::rename(new, live)?;
+            std::fs::rename(&aside, new)
+        }
+        _ => Err(error),
+    }
+}
+
+/// Removes `path`, a directory tree or a file, if it is there.
+fn remove(path: &Path) {
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() => {
+            let _ = std::fs::remove_dir_all(path);
+        }
+        Ok(_) => {
+            let _ = std::fs::remove_file(path);
+        }
+        Err(_) => {}
     }
 }
 

@@ -98,14 +98,14 @@ pub struct Repositories {
     settings: Option<RemoteSettings>,
     /// A sync holds it to write; a scan, and the loads that read what it scanned, to read:
     /// no sync changes a mirror under a load.
-    gate: tokio::sync::RwLock<()>,
+    gate: std::sync::Arc<tokio::sync::RwLock<()>>,
     /// What each remote repository's mirror holds (bytes), by source.
     held: std::sync::Mutex<Vec<u64>>,
     metrics: RemoteMetrics,
 }
 
 /// Held while models load from what a scan read: the mirrors do not change meanwhile.
-pub type Reading<'a> = tokio::sync::RwLockReadGuard<'a, ()>;
+pub type Reading = tokio::sync::OwnedRwLockReadGuard<()>;
 
 /// The remote repositories' series (registered with the server's others).
 #[derive(Clone)]
@@ -227,11 +227,8 @@ impl Repositories {
     /// taken for removed); a model that could not be brought up to date is a failure of
     /// the scan's, not one of its models, whatever its mirror still holds. The mirrors
     /// stay as scanned while the returned guard is held (the loads of what it found).
-    pub async fn scan(
-        &self,
-        limits: &Limits,
-    ) -> Result<(ScanResult, Reading<'_>), RepositoryError> {
-        let writing = self.gate.write().await;
+    pub async fn scan(&self, limits: &Limits) -> Result<(ScanResult, Reading), RepositoryError> {
+        let writing = self.gate.clone().write_owned().await;
         let failures = self.sync().await?;
         let reading = writing.downgrade();
         let (roots, limits) = (self.roots(), *limits);
