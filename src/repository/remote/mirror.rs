@@ -297,12 +297,7 @@ impl Mirror {
         let outcome = built.and_then(|downloaded| {
             exchange(&staging, &self.root.join(model))
                 .map(|()| downloaded)
-                .map_err(|e| {
-                    self.error(
-                        Reason::Io,
-                        format!("model '{model}': cannot write the cache: {e}"),
-                    )
-                })
+                .map_err(|e| self.cache_error(&format!("model '{model}'"), e))
         });
         // The old directory (or file) after an exchange, or what a failed build left.
         remove(&staging);
@@ -317,12 +312,8 @@ impl Mirror {
         staging: &Path,
         settings: &RemoteSettings,
     ) -> Result<u64, RemoteError> {
-        let io = |e: std::io::Error| {
-            self.error(
-                Reason::Io,
-                format!("model '{model}': cannot write the cache: {e}"),
-            )
-        };
+        let what = format!("model '{model}'");
+        let io = |e| self.cache_error(&what, e);
         let mut downloaded = 0u64;
         for (name, l) in listed {
             let target = staging.join(name);
@@ -376,9 +367,7 @@ impl Mirror {
                 format!("{what} changed while the repository was read; the next sync takes it"),
             ));
         }
-        let io = |e: std::io::Error| {
-            self.error(Reason::Io, format!("{what}: cannot write the cache: {e}"))
-        };
+        let io = |e| self.cache_error(what, e);
         let mut file = tokio::fs::File::create(target).await.map_err(io)?;
         let mut written = 0u64;
         let mut stream = result.into_stream();
@@ -418,6 +407,11 @@ impl Mirror {
                 ),
             )
         })
+    }
+
+    /// The cache directory refused a write for `what` (a model or an object).
+    fn cache_error(&self, what: &str, e: std::io::Error) -> RemoteError {
+        self.error(Reason::Io, format!("{what}: cannot write the cache: {e}"))
     }
 
     fn error(&self, reason: Reason, message: String) -> RemoteError {

@@ -207,10 +207,6 @@ impl Repositories {
             .collect()
     }
 
-    pub fn is_remote(&self) -> bool {
-        self.sources.iter().any(|s| matches!(s, Source::Remote(_)))
-    }
-
     /// The series to register with the server's metrics.
     pub fn collectors(&self) -> Vec<Box<dyn Collector>> {
         let m = &self.metrics;
