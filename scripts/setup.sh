@@ -8,7 +8,9 @@
 #   packages  apt: cmake and nasm (libjpeg-turbo), g++ (compiles the .pt2 export, and the
 #             shims beside libtorch), and for the tests chromium, node and curl, only when
 #             missing; playwright-core from npm for the browser test, and azurite
-#             (Azure Storage's emulator) from npm for the remote-repository tests
+#             (Azure Storage's emulator) from npm for the remote-repository tests; for the
+#             Kubernetes proof, haproxy and prometheus (with promtool) from apt, and checkov
+#             (the manifests' policy linter) in a venv of its own; kubectl must be there
 #   venv      a venv outside the clone with torch==2.13.0 and the model packages
 #             (scripts/requirements.txt), plus the test packages (requirements-test.txt)
 #   model     models/classifier/1/model.pt (and .onnx, .pt2 beside it), each exported when
@@ -42,6 +44,10 @@ if wants packages; then
     command -v node >/dev/null || need+=(nodejs)
     command -v npm >/dev/null || need+=(npm)
     command -v curl >/dev/null || need+=(curl)
+    for tool in haproxy prometheus; do command -v "$tool" >/dev/null || need+=("$tool"); done
+    # kubectl (with its kustomize) is no Debian package: it comes with the machine, or from
+    # the Kubernetes project's own apt repository.
+    command -v kubectl >/dev/null || say "note: kubectl is missing; the Kubernetes tests need it (kubernetes.io: Install Tools)"
   fi
   if ((${#need[@]})); then
     say "installing ${need[*]} (apt)"
@@ -67,6 +73,14 @@ if wants packages; then
       (cd "$VG_AZURITE_DIR" && npm ci --no-audit --no-fund --silent)
       echo "$az_sum" > "$VG_AZURITE_DIR/.lock.sha256"
     fi
+  fi
+  # checkov, the policy linter of tests/python/test_deploy.py: its many pins would fight the
+  # test venv's, so it has a venv of its own beside it.
+  if ((test_tools)) && [[ $(cat "$VG_CHECKOV_VENV/.requirements" 2>/dev/null) != "$CHECKOV_REQ" ]]; then
+    say "installing $CHECKOV_REQ into $VG_CHECKOV_VENV"
+    rm -rf "$VG_CHECKOV_VENV" && python3 -m venv "$VG_CHECKOV_VENV"
+    "$VG_CHECKOV_VENV/bin/pip" install -q --disable-pip-version-check "$CHECKOV_REQ"
+    echo "$CHECKOV_REQ" > "$VG_CHECKOV_VENV/.requirements"
   fi
 fi
 

@@ -6,6 +6,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use bytes::Bytes;
+use prometheus::IntGauge;
 use tokio::sync::oneshot;
 
 use super::{decode_into, DecodeBudget, PreprocessError, PreprocessSettings};
@@ -21,6 +22,24 @@ struct Task {
     bytes: Bytes,
     settings: Arc<PreprocessSettings>,
     reply: Reply,
+    _pending: Pending,
+}
+
+/// An image counted in `visiongate_decode_pending_images` from its submission until its
+/// task is done or dropped (its flow gone).
+struct Pending(IntGauge);
+
+impl Pending {
+    fn new(gauge: &IntGauge) -> Self {
+        gauge.inc();
+        Pending(gauge.clone())
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 #[derive(Default)]
@@ -35,6 +54,7 @@ struct Queue {
 struct Shared {
     queue: Mutex<Queue>,
     work: Condvar,
+    pending: IntGauge,
 }
 
 impl Shared {
@@ -89,6 +109,7 @@ impl PreprocessPool {
         let shared = Arc::new(Shared {
             queue: Mutex::default(),
             work: Condvar::new(),
+            pending: metrics.decode_pending_images.clone(),
         });
         let budget = Arc::new(DecodeBudget::new(
             memory,
@@ -135,6 +156,7 @@ impl Flow {
         settings: Arc<PreprocessSettings>,
     ) -> oneshot::Receiver<Result<Row, PreprocessError>> {
         let (reply, rx) = oneshot::channel();
+        let _pending = Pending::new(&self.pool.shared.pending);
         let mut q = self.pool.shared.lock();
         let tasks = q.waiting.entry(self.id).or_default();
         let first = tasks.is_empty();
@@ -142,6 +164,7 @@ impl Flow {
             bytes,
             settings,
             reply,
+            _pending,
         });
         if first {
             q.turns.push_back(self.id);
@@ -162,15 +185,21 @@ impl Drop for Flow {
 }
 
 fn worker(shared: &Shared, metrics: &Metrics, budget: &DecodeBudget) {
-    while let Some(task) = shared.next() {
-        if task.reply.is_closed() {
+    while let Some(Task {
+        bytes,
+        settings,
+        reply,
+        _pending: pending,
+    }) = shared.next()
+    {
+        if reply.is_closed() {
             continue; // nobody waits for it (client went away)
         }
         let started = std::time::Instant::now();
-        let mut row = vec![0u8; task.settings.row_len()];
+        let mut row = vec![0u8; settings.row_len()];
         crate::memory::note_activity();
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            decode_into(&task.bytes, &task.settings, budget, &mut row)
+            decode_into(&bytes, &settings, budget, &mut row)
         }))
         .unwrap_or_else(|_| {
             Err(PreprocessError::Invalid(
@@ -180,7 +209,9 @@ fn worker(shared: &Shared, metrics: &Metrics, budget: &DecodeBudget) {
         metrics
             .decode_seconds
             .observe(started.elapsed().as_secs_f64());
-        let _ = task.reply.send(result.map(|()| Bytes::from(row)));
+        // Done before its row is handed on: a caller holding the row sees it counted out.
+        drop(pending);
+        let _ = reply.send(result.map(|()| Bytes::from(row)));
     }
 }
 
@@ -255,5 +286,37 @@ mod tests {
         drop(large);
         let again = single.submit(png(4, [7, 7, 7]), settings());
         assert_eq!(&again.await.unwrap().unwrap()[..3], &[7, 7, 7]);
+    }
+
+    #[tokio::test]
+    async fn pending_images_are_those_waiting_or_decoding_until_done_or_their_flow_drops() {
+        let metrics = Arc::new(Metrics::new());
+        let pool = PreprocessPool::start(1, 1 << 30, metrics.clone());
+        let pending = || metrics.decode_pending_images.get();
+        let (large, single) = (pool.flow(), pool.flow());
+        let (photo, small) = (noise_png(1000), png(4, [4, 5, 6]));
+        let mut all: Vec<_> = (0..10)
+            .map(|_| large.submit(photo.clone(), settings()))
+            .collect();
+        all.push(single.submit(small, settings()));
+        // Every image counts until it is decoded. Those answered, read before and after the
+        // count, bound it (an image leaves the count just before its answer is sent).
+        let answered = || all.iter().filter(|rx| !rx.is_empty()).count() as i64;
+        let (before, now, after) = (answered(), pending(), answered());
+        assert!(
+            (10 - after..=11 - before).contains(&now),
+            "{now} pending with {before}..{after} of 11 answered"
+        );
+        let one = all.pop().unwrap();
+        one.await.unwrap().unwrap();
+        assert!(pending() < 11);
+        // The large request leaves: its waiting images stop counting, and the one decoding
+        // as it finishes.
+        drop((large, all));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while pending() != 0 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        assert_eq!(pending(), 0);
     }
 }

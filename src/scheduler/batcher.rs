@@ -296,7 +296,6 @@ pub(super) async fn run_batcher(
     } = signals;
     let model = labels.model.clone();
     let m = &labels.series;
-    let pending_gauge = &m.pending_requests;
     let mut queue = Queue::new(policy.queues.len());
     let has_timeouts = policy.has_timeouts();
     let mut idle: VecDeque<Slot> = VecDeque::new();
@@ -356,7 +355,8 @@ pub(super) async fn run_batcher(
         if has_timeouts {
             timer = [timer, queue.next_deadline()].into_iter().flatten().min();
         }
-        pending_gauge.set(queue.requests() as i64);
+        m.pending_requests.set(queue.requests() as i64);
+        m.pending_rows.set(queue.rows as i64);
         if !jobs_open && queue.is_empty() {
             break; // drained: dropping the slots ends the instance threads
         }
@@ -394,6 +394,9 @@ pub(super) async fn run_batcher(
             }
         }
     }
+    // Whatever was queued has been answered: nothing of this model waits any longer.
+    m.pending_requests.set(0);
+    m.pending_rows.set(0);
     tracing::debug!(model, "batcher stopped");
 }
 

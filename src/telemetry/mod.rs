@@ -98,6 +98,8 @@ pub struct Metrics {
     pub inference_count: IntCounterVec,
     pub exec_count: IntCounterVec,
     pub pending_requests: IntGaugeVec,
+    /// The rows of those requests: images (or tensor rows) waiting for a batch.
+    pub pending_rows: IntGaugeVec,
     /// Request, queue and compute durations (counters, summaries, histograms).
     pub latency: Latencies,
     pub cache_hits: IntCounterVec,
@@ -106,6 +108,8 @@ pub struct Metrics {
     pub instance_executions: IntCounterVec,
     pub decode_seconds: Histogram,
     pub decode_memory_bytes: IntGauge,
+    /// Images submitted to the decode threads and not yet decoded.
+    pub decode_pending_images: IntGauge,
     /// 1 per loaded instance: its device, and why it is not where the config puts it.
     pub instance_device: IntGaugeVec,
     /// The instances of each model serving now (loaded, not restarting after a panic).
@@ -178,6 +182,20 @@ impl Metrics {
         registry
             .register(Box::new(pending_requests.clone()))
             .expect("unique metric");
+        // With the decode threads' backlog, the images a replica holds: the autoscaling
+        // signal (deploy/kubernetes), which a request count is not (one upload is 1000 rows).
+        let pending_rows = IntGaugeVec::new(
+            Opts::new(
+                "visiongate_pending_rows",
+                "Instantaneous number of rows (images) of pending requests awaiting execution \
+                 per model",
+            ),
+            MV,
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(pending_rows.clone()))
+            .expect("unique metric");
         let batch_size = HistogramVec::new(
             HistogramOpts::new("visiongate_batch_size", "Rows per executed batch")
                 .buckets((0..=10).map(|p| f64::from(1u32 << p)).collect()),
@@ -207,6 +225,14 @@ impl Metrics {
         .expect("valid metric");
         registry
             .register(Box::new(decode_memory_bytes.clone()))
+            .expect("unique metric");
+        let decode_pending_images = IntGauge::new(
+            "visiongate_decode_pending_images",
+            "Images submitted to the decode threads and not yet decoded (waiting or decoding)",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(decode_pending_images.clone()))
             .expect("unique metric");
         let instance_device = IntGaugeVec::new(
             Opts::new(
@@ -240,6 +266,7 @@ impl Metrics {
             inference_count,
             exec_count,
             pending_requests,
+            pending_rows,
             latency,
             cache_hits,
             cache_misses,
@@ -247,6 +274,7 @@ impl Metrics {
             instance_executions,
             decode_seconds,
             decode_memory_bytes,
+            decode_pending_images,
             host: system::HostMetrics::new(&registry),
             registry,
         }
@@ -269,6 +297,7 @@ impl Metrics {
             inference_count: self.inference_count.with_label_values(&mv),
             exec_count: self.exec_count.with_label_values(&mv),
             pending_requests: self.pending_requests.with_label_values(&mv),
+            pending_rows: self.pending_rows.with_label_values(&mv),
             cache_hits: self.cache_hits.with_label_values(&mv),
             cache_misses: self.cache_misses.with_label_values(&mv),
             batch_size: self.batch_size.with_label_values(&[model]),
@@ -307,6 +336,7 @@ pub struct ModelSeries {
     pub inference_count: IntCounter,
     pub exec_count: IntCounter,
     pub pending_requests: IntGauge,
+    pub pending_rows: IntGauge,
     pub cache_hits: IntCounter,
     pub cache_misses: IntCounter,
     pub batch_size: Histogram,

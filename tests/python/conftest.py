@@ -85,7 +85,8 @@ class Server:
             except requests.ConnectionError:
                 pass
             time.sleep(0.2)
-        raise RuntimeError("server did not become ready in 120 s")
+        self.proc.kill()  # not left running by a failed start
+        raise RuntimeError(f"server did not become ready in 120 s: {self.log_path}")
 
     def stop(self):
         self.proc.terminate()

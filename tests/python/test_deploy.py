@@ -1,9 +1,13 @@
 """Deployment files checked by the tools their users' tooling trusts, since no Docker engine
 or Kubernetes cluster runs here: the Compose specification's schema (vendored by
-check-jsonschema), hadolint and BuildKit's Dockerfile parser, and the Kubernetes API
-schemas of kubernetes-validate (strict: unknown fields fail)."""
+check-jsonschema), hadolint and BuildKit's Dockerfile parser; the Kubernetes manifests as
+`kubectl kustomize` renders them, against the API schemas of several Kubernetes releases
+(kubernetes-validate, strict: unknown fields fail) and checkov's policies; the autoscaling
+rules by `promtool test rules`. They run for real in scripts/scale_out.py
+(tests/python/test_scale_out.py)."""
 
 import copy
+import json
 import os
 import re
 import subprocess
@@ -15,11 +19,15 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, require_tool
 
 BIN = Path(sys.executable).parent
 K8S = ROOT / "deploy" / "kubernetes"
-K8S_VERSION = "1.37.0"
+# The Kubernetes releases the manifests must be valid for: the five newest kubernetes-validate
+# knows (each supported upstream for about 14 months).
+K8S_VERSIONS = ["1.33.0", "1.34.0", "1.35.0", "1.36.0", "1.37.0"]
+# checkov, in a venv of its own (scripts/setup.sh; env.sh names it).
+CHECKOV = os.environ.get("VISIONGATE_CHECKOV", "checkov")
 
 
 def run(*args):
@@ -111,30 +119,76 @@ def test_dockerfile_builds_with_the_readme_setup_and_ships_a_lean_runtime():
         assert path in ignored, path
 
 
+def rendered_text():
+    require_tool("kubectl")
+    r = run("kubectl", "kustomize", K8S)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
 def manifests():
-    docs = []
-    for path in sorted(K8S.glob("*.yaml")):
-        if path.name == "kustomization.yaml":
-            continue
-        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return {d["kind"]: d for d in docs}
+    """The objects `kubectl kustomize deploy/kubernetes` renders, by kind (and ConfigMaps by
+    name)."""
+    objects = {}
+    for d in yaml.safe_load_all(rendered_text()):
+        objects[d["metadata"]["name"] if d["kind"] == "ConfigMap" else d["kind"]] = d
+    return objects
 
 
-@pytest.mark.parametrize("kind", ["Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap"])
-def test_kubernetes_manifests_validate_against_the_api_schema(kind):
-    kubernetes_validate.validate(manifests()[kind], K8S_VERSION, strict=True)
+def test_kustomization_renders_every_manifest():
+    listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert set(manifests()) == {"Namespace", "Deployment", "Service", "HorizontalPodAutoscaler", "NetworkPolicy",
+                                "visiongate-prometheus-rules", "visiongate-adapter-rules"}
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_kubernetes_manifests_validate_against_the_api_schemas(version):
+    for name, obj in manifests().items():
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{name} on Kubernetes {version}: {e}")
 
 
 def test_kubernetes_validation_rejects_a_wrong_field():
     bad = copy.deepcopy(manifests()["Deployment"])
     bad["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+        kubernetes_validate.validate(bad, K8S_VERSIONS[-1], strict=True)
 
 
-def test_kustomization_applies_every_manifest():
-    listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
-    assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+def checkov(path):
+    """checkov's Kubernetes policies over a file: its summary and failed checks' ids."""
+    require_tool(CHECKOV)
+    r = run(CHECKOV, "-f", path, "--framework", "kubernetes", "--quiet", "--skip-download", "-o", "json")
+    report = json.loads(r.stdout)
+    failed = sorted({c["check_id"] for c in report.get("results", {}).get("failed_checks", [])})
+    return report["summary"], failed
+
+
+def test_policy_linter_passes_the_manifests_and_every_exception_says_why(tmp_path):
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(rendered_text())
+    summary, failed = checkov(rendered)
+    assert failed == [] and summary["parsing_errors"] == 0, failed
+    assert summary["passed"] > 50, summary
+    skips = {k: v for k, v in manifests()["Deployment"]["metadata"]["annotations"].items() if k.startswith("checkov.io/skip")}
+    assert summary["skipped"] == len(skips)
+    assert all(re.fullmatch(r"CKV2?_K8S_\d+=.{20,}", v) for v in skips.values()), skips
+    # The linter is not vacuous: the container's security context removed, it fails.
+    docs = list(yaml.safe_load_all(rendered.read_text()))
+    for d in docs:
+        if d["kind"] == "Deployment":
+            del d["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    rendered.write_text(yaml.safe_dump_all(docs))
+    assert "CKV_K8S_20" in checkov(rendered)[1]
+
+
+def test_autoscaling_rules_pass_their_unit_tests():
+    require_tool("promtool")
+    r = run("promtool", "test", "rules", ROOT / "tests" / "prometheus" / "rules_test.yml")
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 
 
 def exit_timeout(container):
@@ -171,20 +225,32 @@ def test_deployment_probes_gpu_scrape_and_grace():
     assert pod["spec"]["terminationGracePeriodSeconds"] > stop
     service_ports = {p["name"]: p["port"] for p in m["Service"]["spec"]["ports"]}
     assert service_ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    # The seeds' Triton arguments, on a bucket.
+    args = container["args"]
+    assert any(a.startswith("--model-repository=s3://") for a in args)
+    assert "--model-control-mode=poll" in args and any(a.startswith("--repository-poll-secs=") for a in args)
 
 
-def test_autoscaler_scales_on_the_queue_metric_the_server_exports(server):
+def test_autoscaler_reads_the_adapters_series_of_the_rule_over_what_the_server_exports(server):
     m = manifests()
     hpa = m["HorizontalPodAutoscaler"]
     assert hpa["spec"]["scaleTargetRef"]["name"] == m["Deployment"]["metadata"]["name"]
     (metric,) = hpa["spec"]["metrics"]
     name = metric["pods"]["metric"]["name"]
-    assert name == "nv_inference_pending_request_count"
-    # The adapter exposes that series under that name...
-    rules = yaml.safe_load(m["ConfigMap"]["data"]["config.yaml"])["rules"]
-    assert any(r["name"]["as"] == name and name in r["seriesQuery"] for r in rules)
-    # ...and the real server exports it on its metrics port.
+    assert name == "visiongate_pending_images" and metric["pods"]["target"]["type"] == "AverageValue"
+    # The adapter serves the recording rule's series under that name...
+    (rule,) = yaml.safe_load(m["visiongate-adapter-rules"]["data"]["config.yaml"])["rules"]
+    assert rule["name"]["as"] == name
+    series = rule["name"]["matches"].strip("^$")
+    assert series in rule["seriesQuery"]
+    groups = yaml.safe_load(m["visiongate-prometheus-rules"]["data"]["visiongate.rules.yml"])["groups"]
+    (recorded,) = [r for g in groups for r in g["rules"] if r["record"] == series]
+    # ...which sums per pod the series the real server exports on its metrics port.
     import requests
 
     text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
-    assert re.search(rf"^{name}\{{", text, re.M), f"{name} not exported"
+    used = re.findall(r"(?:visiongate|nv)_[a-z_]+", "".join(r["expr"] for g in groups for r in g["rules"]))
+    assert {"visiongate_decode_pending_images", "visiongate_pending_rows"} <= set(used)
+    for series_name in used:
+        assert re.search(rf"^{series_name}(\{{| )", text, re.M), f"{series_name} not exported"
+    assert "by (namespace, pod)" in recorded["expr"]

@@ -43,11 +43,13 @@ def wait_port(port, proc, what, timeout=30):
 
 
 class Store:
-    """A store process on loopback; `stop()` ends it."""
+    """A server process on loopback, ready once it answers HTTP on `port`; its output goes
+    to `log` (a path) or nowhere; `stop()` ends it."""
 
-    def __init__(self, argv, port, what, env=None):
+    def __init__(self, argv, port, what, env=None, log=None):
         self.port = port
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        self.log = open(log, "wb") if log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         wait_port(port, self.proc, what)
 
     def stop(self):
@@ -56,6 +58,8 @@ class Store:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        if self.log is not subprocess.DEVNULL:
+            self.log.close()
 
 
 def repository_files(root=BUNDLED):
