@@ -216,12 +216,19 @@ def test_deployment_probes_gpu_scrape_and_grace():
     (container,) = pod["spec"]["containers"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    assert container["startupProbe"]["httpGet"]["path"] == "/v2/health/live"
+    # The probes name the HTTP port by number: it must be the container's `http` port.
+    (http,) = [p["containerPort"] for p in container["ports"] if p["name"] == "http"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["port"] in (http, "http"), probe
+    assert not any(a.startswith("--http-port") for a in container["args"])
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     annotations = pod["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "8002"
     # Longer than the server's own exit timeout (what it gives the requests under way, from the
-    # container's arguments or the binary's default) plus the preStop pause and the listeners' close.
-    stop = exit_timeout(container) + container["lifecycle"]["preStop"]["sleep"]["seconds"] + 2
+    # container's arguments or the binary's default) plus the preStop pause and the listeners'
+    # close (the 4 s the server allows past its exit timeout: src/shutdown.rs).
+    stop = exit_timeout(container) + container["lifecycle"]["preStop"]["sleep"]["seconds"] + 4
     assert pod["spec"]["terminationGracePeriodSeconds"] > stop
     service_ports = {p["name"]: p["port"] for p in m["Service"]["spec"]["ports"]}
     assert service_ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
