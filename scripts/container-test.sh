@@ -219,8 +219,13 @@ timing "build" "$(since "$start")"
 for left in $(comm -13 <(echo "$before") <(working)); do
   podman rm -f "$left" > /dev/null 2>&1 || buildah rm "$left" > /dev/null 2>&1 || true
 done
-# The images earlier builds left untagged (GBs each) go; the new image's layers stay.
-podman image prune -f > /dev/null 2>&1 || true
+# The images earlier builds left untagged (GBs each) go. Those this build made or took from
+# its cache stay, the build stage's too (the next build's cache; its log names each step's
+# image after `-->`): a plain prune took them, and every build started again from apt.
+kept=$(grep -o '^--> [0-9a-f]*' "$ART/build.log" | cut -c5- | sort -u)
+for id in $(podman images -q --filter dangling=true 2>/dev/null | sort -u); do
+  grep -q "^${id:0:11}" <<< "$kept" || podman rmi "$id" > /dev/null 2>&1 || true
+done
 size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
 echo "image size: $size bytes" >> "$ART/timings.txt"
 say "image $IMAGE: $((size / 1000000)) MB"
