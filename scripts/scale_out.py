@@ -186,9 +186,7 @@ class Replica:
         return self
 
     def pending_images(self):
-        text = requests.get(f"http://127.0.0.1:{self.server.metrics_port}/metrics", timeout=5).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(("visiongate_decode_pending_images", "visiongate_pending_rows")))
+        return held_images(scrape(self.server.metrics_port))
 
     def served_versions(self):
         try:
@@ -268,31 +266,29 @@ backend pods
 class Prometheus:
     def __init__(self, replicas, rules_text, namespace, work):
         self.port = free_port()
-        self.namespace = namespace
-        rules = work / "visiongate.rules.yml"
-        rules.write_text(rules_text)
-        targets = [{"targets": [f"127.0.0.1:{r.server.metrics_port}"],
-                    "labels": {"namespace": namespace, "pod": r.name}} for r in replicas]
+        self.replicas, self.namespace = replicas, namespace
+        self.rules = work / "visiongate.rules.yml"
+        self.rules.write_text(rules_text)
         self.config = work / "prometheus.yml"
-        self.write(targets, rules)
+        self.write()
         self.process = Store(
             ["prometheus", f"--config.file={self.config}", f"--storage.tsdb.path={work / 'tsdb'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"],
             self.port, "prometheus", log=work / "prometheus.log")
-        self.replicas, self.rules = replicas, rules
 
-    def write(self, targets, rules):
+    def write(self):
+        """Every replica's metrics port, with the labels a pod's scrape gets."""
+        targets = [{"targets": [f"127.0.0.1:{r.server.metrics_port}"],
+                    "labels": {"namespace": self.namespace, "pod": r.name}} for r in self.replicas]
         self.config.write_text(yaml.safe_dump({
             "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
-            "rule_files": [str(rules)],
+            "rule_files": [str(self.rules)],
             "scrape_configs": [{"job_name": "visiongate", "static_configs": targets}],
         }))
 
     def retarget(self):
         """A restarted replica has new ports (the pod's IP would be new too)."""
-        targets = [{"targets": [f"127.0.0.1:{r.server.metrics_port}"],
-                    "labels": {"namespace": self.namespace, "pod": r.name}} for r in self.replicas]
-        self.write(targets, self.rules)
+        self.write()
         requests.post(f"http://127.0.0.1:{self.port}/-/reload", timeout=10).raise_for_status()
 
     def query(self, expr):
@@ -678,6 +674,11 @@ def scrape(port):
     return out
 
 
+def held_images(series):
+    """The images a replica holds, from `scrape`: the signal's two gauges."""
+    return series.get("visiongate_decode_pending_images", 0.0) + series.get("visiongate_pending_rows", 0.0)
+
+
 def study(args, m, photos, work, started):
     """One replica, each load held for STUDY_S seconds; over its last STUDY_WINDOW_S: the
     images inferred per second (saturation: where it stops rising), and each candidate
@@ -712,7 +713,7 @@ def study(args, m, photos, work, started):
         results.append({
             "load": f"{clients} x {KIND_NAMES[kind]}",
             "images_per_s": delta["nv_inference_count"] / (t1 - t0),
-            "pending_images": mean("visiongate_decode_pending_images", "visiongate_pending_rows"),
+            "pending_images": sum(held_images(s) for _, s in samples) / len(samples),
             "queue_per_compute": delta["nv_inference_queue_duration_us"] / max(delta["nv_inference_compute_infer_duration_us"], 1),
             "pending_requests": mean("nv_inference_pending_request_count"),
             "latency_p50_s": percentile(load.latencies[kind][before:], 0.5),

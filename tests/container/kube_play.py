@@ -29,7 +29,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from scale_out import Manifests, multipart, seed_bucket  # noqa: E402  (the rendered manifests; form bodies)
+from scale_out import Manifests, held_images, multipart, scrape, seed_bucket  # noqa: E402  (the rendered manifests; form bodies; /metrics)
 from test_remote_repositories import S3  # noqa: E402  (moto's S3 server; scale_out adds its path)
 from conftest import free_port  # noqa: E402
 
@@ -155,12 +155,9 @@ def main():
 
         sender = threading.Thread(target=send)
         sender.start()
-        metrics = f"http://127.0.0.1:{host_ports['metrics']}/metrics"
         deadline = time.time() + 60
         while time.time() < deadline:
-            text = requests.get(metrics, timeout=5).text
-            held = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith(("visiongate_decode_pending_images", "visiongate_pending_rows")))
+            held = held_images(scrape(host_ports["metrics"]))
             if held > 0:
                 break
             time.sleep(0.05)
