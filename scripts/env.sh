@@ -16,6 +16,9 @@ if [[ -x $VG_PY ]]; then
   for lib in "$VG_SITE"/onnxruntime/capi/libonnxruntime.so.*; do
     [[ -f $lib ]] && export VISIONGATE_ONNXRUNTIME_LIBRARY=${VISIONGATE_ONNXRUNTIME_LIBRARY:-$lib}
   done
+  # nvJPEG from the venv's nvidia-nvjpeg wheel, for JPEG decode on GPUs.
+  lib=$VG_SITE/nvidia/cu13/lib/libnvjpeg.so.13
+  [[ -f $lib ]] && export VISIONGATE_NVJPEG_LIBRARY=${VISIONGATE_NVJPEG_LIBRARY:-$lib}
 fi
 export VISIONGATE_PYTHON=$VG_PY VISIONGATE_BIN=$VG_BIN
 # Azure Storage's emulator for the remote-repository tests (scripts/setup.sh installs it).

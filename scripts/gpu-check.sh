@@ -5,11 +5,17 @@
 # (or $PYTHON) imports goes first on LD_LIBRARY_PATH. It reports:
 #   - the device of each classifier instance;
 #   - top-1 agreement and the largest difference of any class probability between the GPU
-#     path and the CPU path (CUDA hidden) on the kit's photos, with TF32 off and on;
-#   - the throughput of one /predict request of N images (default 1000) with 4, 8 and
-#     all-but-one decode threads, and the GPU utilisation nvidia-smi samples meanwhile.
-# --cpu runs all of it with CUDA hidden (200 images), so the kit is tested on machines
-# without a GPU: the two "GPU" runs must then agree with the CPU run exactly in top-1.
+#     path and the CPU path (CUDA hidden) on the kit's photos: with the JPEGs decoded on
+#     the CPU (TF32 off and on) and on the GPU (nvJPEG);
+#   - the throughput of one /predict request of N images (default 1000) of the small photos
+#     and of all of them (mixed sizes): decoded on the GPU, and on the CPU with 4, 8 and
+#     all-but-one decode threads, with where the images were decoded (the server's
+#     visiongate_decode_images_total) and the GPU utilisation nvidia-smi samples meanwhile;
+#   - the anchor: torchvision's batched decode_jpeg(..., device="cuda") on the same photos,
+#     from the host's own Python.
+# --cpu runs all of it with CUDA hidden (200 images; no anchor), so the kit is tested on
+# machines without a GPU: the "GPU" runs must then agree with the CPU run exactly in top-1
+# and decode every image on the CPU.
 # The report goes to stdout and DIR/report.txt (default ./gpu-check-out), with each
 # server's log beside it.
 set -euo pipefail
@@ -34,6 +40,17 @@ report=$out/report.txt
 : > "$report"
 say() { echo "$*" | tee -a "$report"; }
 
+# The binary and nvJPEG travel compressed (the kit's 64 MiB): unpacked into DIR/bin.
+bin=$out/bin
+mkdir -p "$bin"
+"$PY" - "$KIT" "$bin" <<'UNPACK'
+import lzma, os, shutil, sys
+kit, dest = sys.argv[1:]
+for packed, name in [("visiongate.xz", "visiongate"), ("lib/libnvjpeg.so.13.xz", "libnvjpeg.so.13")]:
+    with lzma.open(os.path.join(kit, packed)) as src, open(os.path.join(dest, name), "wb") as out:
+        shutil.copyfileobj(src, out)
+os.chmod(os.path.join(dest, "visiongate"), 0o755)
+UNPACK
 torch_lib=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
 export LD_LIBRARY_PATH=$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 say "# visiongate GPU check ($(cat "$KIT/BUILD" 2>/dev/null || echo 'unknown build'))"
@@ -101,6 +118,34 @@ elif cmd == "bulk":  # URL PHOTOS N: one request of N images (the photos over an
     if failed:
         sys.exit(f"{len(failed)} of {n} images failed, e.g. {failed[0]}")
     print(f"{n} images in {secs:.2f} s: {n / secs:.1f} images/s")
+elif cmd == "decodes":  # METRICS_URL: images decoded per path (and reason)
+    text = urllib.request.urlopen(args[0], timeout=30).read().decode()
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("visiongate_decode_images_total{"):
+            labels, value = line.rsplit(" ", 1)
+            if float(value) > 0:
+                counts[labels[len("visiongate_decode_images_total"):]] = int(float(value))
+    print("decoded: " + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"))
+elif cmd == "anchor":  # PHOTOS N: torchvision's batched GPU decode of N images, and with resize
+    import torch, torchvision
+    from torchvision.io import decode_jpeg
+    from torchvision.transforms.v2.functional import resize
+    folder, n = args[0], int(args[1])
+    pool = [torchvision.io.read_file(str(p)) for p in photos(folder)]
+    data = [pool[i % len(pool)] for i in range(n)]
+    for name, work in [
+        ("decode", lambda: decode_jpeg(data, device="cuda")),
+        ("decode + resize 224", lambda: [resize(x, [224, 224], antialias=True) for x in decode_jpeg(data, device="cuda")]),
+    ]:
+        work(); torch.cuda.synchronize()  # warm
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            work(); torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        print(f"torchvision {torchvision.__version__} {name}: {n} images in {best:.3f} s, "
+              f"{n / best:.0f} images/s (best of 3, one batch)")
 elif cmd == "utilisation":  # FILE: nvidia-smi samples "util, memory"
     rows = [l.split(",") for l in Path(args[0]).read_text().splitlines() if l.strip()]
     util = [float(r[0]) for r in rows]
@@ -136,7 +181,9 @@ serve() {
   shift
   while (($#)) && [[ $1 != -- ]]; do envs+=("$1"); shift; done
   shift
-  env "${envs[@]}" "$KIT/visiongate" --model-repository "$KIT/models" --host 127.0.0.1 \
+  # nvJPEG from the kit (PyPI's nvidia-nvjpeg), for the GPU decode runs.
+  envs+=("VISIONGATE_NVJPEG_LIBRARY=$bin/libnvjpeg.so.13")
+  env "${envs[@]}" "$bin/visiongate" --model-repository "$KIT/models" --host 127.0.0.1 \
     --http-port "$http" --grpc-port "$grpc" --metrics-port "$metrics" "$@" > "$out/$name.log" 2>&1 &
   pid=$!
   local start=$SECONDS
@@ -161,31 +208,51 @@ serve cpu CUDA_VISIBLE_DEVICES= -- --decode-threads 4
 stop_server
 exact=()
 ((cpu_only)) && exact=(exact)
-for tf32 in off on; do
-  serve "gpu-tf32-$tf32" "${gpu_env[@]}" -- --tf32 "$tf32" --decode-threads 4
-  "$PY" "$helper" classify "$url" "$KIT/photos" "$out/gpu-tf32-$tf32.json"
+for run in "tf32 off" "tf32 on" "tf32 off, GPU decode"; do
+  name=gpu-${run//[ ,]/-}
+  flags=(--tf32 "$(cut -d' ' -f2 <<< "${run%%,*}")" --decode-threads 4 --gpu-decode=false)
+  [[ $run == *"GPU decode"* ]] && flags[-1]=--gpu-decode=true
+  serve "$name" "${gpu_env[@]}" -- "${flags[@]}"
+  "$PY" "$helper" classify "$url" "$KIT/photos" "$out/$name.json"
+  decodes=$("$PY" "$helper" decodes "http://127.0.0.1:$metrics/metrics")
   stop_server
-  say "  GPU (TF32 $tf32) against CPU: $("$PY" "$helper" compare "$out/cpu.json" "$out/gpu-tf32-$tf32.json" "${exact[@]}")"
+  say "  GPU ($run) against CPU: $("$PY" "$helper" compare "$out/cpu.json" "$out/$name.json" "${exact[@]}"); $decodes"
+  if ((cpu_only)) && grep -q 'path="gpu' <<< "$decodes"; then
+    echo "gpu-check: images were decoded on a GPU with CUDA hidden" >&2
+    exit 1
+  fi
 done
 
-say ""
-say "## Throughput: one /predict request of $images images"
 all_but_one=$(($(nproc) > 1 ? $(nproc) - 1 : 1))
-for threads in 4 8 "$all_but_one"; do
-  serve "bulk-decode-$threads" "${gpu_env[@]}" -- --decode-threads "$threads"
-  "$PY" "$helper" bulk "$url" "$KIT/photos" 20 > /dev/null  # warm the decoders and allocator
-  sampler=
-  if ((!cpu_only)) && command -v nvidia-smi > /dev/null; then
-    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 200 \
-      > "$out/nvidia-smi-$threads.csv" &
-    sampler=$!
+for set in small all; do
+  folder=$KIT/photos
+  [[ $set == small ]] && folder=$KIT/photos/small
+  say ""
+  say "## Throughput: one /predict request of $images images, $set photos ($(find "$folder" -name '*.jpg' | wc -l) over and over)"
+  for run in "GPU 4" "CPU 4" "CPU 8" "CPU $all_but_one"; do
+    read -r where threads <<< "$run"
+    gpu_decode=false
+    [[ $where == GPU ]] && gpu_decode=true
+    name=bulk-$set-$where-$threads
+    serve "$name" "${gpu_env[@]}" -- --decode-threads "$threads" --gpu-decode="$gpu_decode"
+    "$PY" "$helper" bulk "$url" "$folder" 20 > /dev/null  # warm the decoders and allocator
+    sampler=
+    if ((!cpu_only)) && command -v nvidia-smi > /dev/null; then
+      nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 200 \
+        > "$out/nvidia-smi-$name.csv" &
+      sampler=$!
+    fi
+    result=$("$PY" "$helper" bulk "$url" "$folder" "$images")
+    decodes=$("$PY" "$helper" decodes "http://127.0.0.1:$metrics/metrics")
+    util="GPU utilisation: not sampled (no GPU)"
+    sampled=$sampler
+    stop_server  # the sampler too
+    [[ -n $sampled ]] && util=$("$PY" "$helper" utilisation "$out/nvidia-smi-$name.csv")
+    say "  $where decode, $threads decode threads: $result; $util; $decodes"
+  done
+  if ((!cpu_only)); then
+    say "  anchor: $("$PY" "$helper" anchor "$folder" "$images" 2>&1 | tr '\n' ';')"
   fi
-  result=$("$PY" "$helper" bulk "$url" "$KIT/photos" "$images")
-  util="GPU utilisation: not sampled (no GPU)"
-  sampled=$sampler
-  stop_server  # the sampler too
-  [[ -n $sampled ]] && util=$("$PY" "$helper" utilisation "$out/nvidia-smi-$threads.csv")
-  say "  decode threads $threads: $result; $util"
 done
 say ""
 say "gpu-check: done (report: $report)"

@@ -2,9 +2,12 @@
 # `make gpu-kit`: a visiongate for the GPU hosts this project is lent now and then (PyTorch
 # 2.11.0 with CUDA 13 under Python 3.12, NVIDIA driver 580, no Rust, no package registries,
 # at most 64 MiB of files carried along), packed into gpu-kit/ (git-ignored):
-#   visiongate     built here against torch 2.11.0 (tch/torch-sys 0.24, the releases for
-#                  it) in a venv and target directory of its own, stripped; on the host it
-#                  loads the host's own libtorch (gpu-check.sh sets LD_LIBRARY_PATH)
+#   visiongate.xz  built here against torch 2.11.0 (tch/torch-sys 0.24, the releases for
+#                  it) in a venv and target directory of its own, stripped and compressed
+#                  (gpu-check.sh unpacks it); on the host it loads the host's own libtorch
+#                  (gpu-check.sh sets LD_LIBRARY_PATH)
+#   lib/libnvjpeg.so.13.xz   PyPI's nvidia-nvjpeg (scripts/requirements.txt), for JPEG
+#                  decode on the GPU, compressed likewise
 #   models/        the bundled repository, model.pt exported by torch 2.11.0
 #   photos/        the test photos (tests/fixtures/photos, with their sources)
 #   gpu-check.sh   the check to run there (scripts/gpu-check.sh)
@@ -38,7 +41,8 @@ site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 #    manifest differs. Cargo moves just those two crates in the copied lock file.
 crate=$KIT_HOME/crate
 mkdir -p "$crate"
-for item in src proto static build.rs; do ln -sfn "$VG_ROOT/$item" "$crate/$item"; done
+# Cargo reads the targets Cargo.toml declares by name (an example, a test) to build.
+for item in src proto static build.rs examples tests; do ln -sfn "$VG_ROOT/$item" "$crate/$item"; done
 sed -E -e "s/^(tch = \{ version = )\"[^\"]+\"/\1\"$KIT_TCH\"/" \
   -e "s/^(torch-sys = \{ version = )\"[^\"]+\"/\1\"$KIT_TCH\"/" Cargo.toml > "$crate/Cargo.toml.new"
 grep -q "^tch = { version = \"$KIT_TCH\"" "$crate/Cargo.toml.new" \
@@ -61,8 +65,11 @@ say "cargo build --release against torch $KIT_TORCH (tch $KIT_TCH; target: $KIT_
 
 # 3. The kit.
 rm -rf "$KIT"
-mkdir -p "$KIT/models" "$KIT/photos"
-strip --strip-all -o "$KIT/visiongate" "$KIT_HOME/target/release/visiongate"
+mkdir -p "$KIT/models" "$KIT/photos" "$KIT/lib"
+# xz: the kit travels within 64 MiB (gpu-check.sh unpacks with Python's lzma).
+strip --strip-all -o "$KIT_HOME/visiongate" "$KIT_HOME/target/release/visiongate"
+xz -T0 -6 -c "$KIT_HOME/visiongate" > "$KIT/visiongate.xz"
+xz -T0 -6 -c "$site/nvidia/cu13/lib/libnvjpeg.so.13" > "$KIT/lib/libnvjpeg.so.13.xz"
 # TorchScript only: the kit travels within 64 MiB, and the GPU host has no ONNX Runtime.
 tar -C models --exclude='model.pt' --exclude='model.onnx' --exclude='model.pt2' --exclude='*.stamp' --exclude='*.tmp' -c . \
   | tar -C "$KIT/models" -x
@@ -76,7 +83,7 @@ cat > "$KIT/BUILD" <<EOF
 visiongate $(git describe --always --dirty 2>/dev/null || echo unknown), torch $KIT_TORCH, tch $KIT_TCH, built $(date -u +%Y-%m-%dT%H:%MZ)
 EOF
 size=$(du -sb "$KIT" | cut -f1)
-say "gpu-kit/: $((size / 1024 / 1024)) MiB ($(du -h "$KIT/visiongate" | cut -f1) binary, $(du -h "$KIT/models/classifier/1/model.pt" | cut -f1) model, $(du -sh "$KIT/photos" | cut -f1) photos)"
+say "gpu-kit/: $((size / 1024 / 1024)) MiB ($(du -h "$KIT/visiongate.xz" | cut -f1) binary, $(du -h "$KIT/lib/libnvjpeg.so.13.xz" | cut -f1) nvJPEG, $(du -h "$KIT/models/classifier/1/model.pt" | cut -f1) model, $(du -sh "$KIT/photos" | cut -f1) photos)"
 ((size < LIMIT)) || { echo "gpu-kit: $size bytes, over the 64 MiB a GPU host takes along" >&2; exit 1; }
 
 # 4. Its CPU mode, here.

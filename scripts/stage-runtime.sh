@@ -2,7 +2,8 @@
 # Gathers what the runtime image carries into DEST (the Dockerfile's build stage runs it
 # after setup.sh): the stripped binary, the model repository with its exported model, and
 # the libraries the binary loads from the venv, kept at their absolute paths under
-# DEST/opt so the binary's and libtorch's RUNPATHs still find them, and ONNX Runtime's.
+# DEST/opt so the binary's and libtorch's RUNPATHs still find them, and ONNX Runtime's and
+# nvJPEG's.
 #   scripts/stage-runtime.sh DEST
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -37,6 +38,12 @@ echo "stage-runtime: $(printf '%s\n' $libs $extra | sort -u | wc -l) libraries, 
 mkdir -p "$dest/opt/visiongate/lib"
 cp "$VISIONGATE_ONNXRUNTIME_LIBRARY" "$dest/opt/visiongate/lib/libonnxruntime.so"
 echo "stage-runtime: ONNX Runtime $(basename "$VISIONGATE_ONNXRUNTIME_LIBRARY")"
+
+# nvJPEG (opened at start where an instance runs on a GPU), self-contained likewise.
+[[ -f ${VISIONGATE_NVJPEG_LIBRARY:-} ]] \
+  || { echo "stage-runtime: no nvJPEG library in the venv (scripts/requirements.txt)" >&2; exit 1; }
+cp "$VISIONGATE_NVJPEG_LIBRARY" "$dest/opt/visiongate/lib/libnvjpeg.so.13"
+echo "stage-runtime: nvJPEG $(basename "$VISIONGATE_NVJPEG_LIBRARY")"
 
 strip --strip-debug -o "$dest/visiongate" "$VG_BIN"
 echo "stage-runtime: binary $(du -h "$VG_BIN" | cut -f1) -> $(du -h "$dest/visiongate" | cut -f1) stripped"

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::config::EngineSettings;
 #[cfg(feature = "torch")]
-use crate::config::Tf32;
+use crate::config::{GpuDecode, Tf32};
 #[cfg(feature = "torch")]
 use crate::domain::Runtime;
 #[cfg(feature = "torch")]
@@ -75,6 +75,7 @@ fn runtimes(settings: EngineSettings) -> anyhow::Result<Engines> {
         intra_op_threads,
         tf32,
         onnxruntime_library,
+        gpu_decode,
     } = settings;
     let torch_gpus = engine::cuda_device_count();
     match cuda_host::cuda_support() {
@@ -107,6 +108,7 @@ fn runtimes(settings: EngineSettings) -> anyhow::Result<Engines> {
         );
     }
     let unusable_gpus = if problem.is_some() { host_gpus } else { 0 };
+    let nvjpeg = jpeg_decoder(gpu_decode.as_ref(), torch_gpus);
     let factory: EngineFactory = Arc::new(move |spec, id| match spec.runtime {
         Runtime::TorchScript | Runtime::TorchAoti => {
             if let (Some(why), Some(_)) = (&problem, id.gpu) {
@@ -119,7 +121,11 @@ fn runtimes(settings: EngineSettings) -> anyhow::Result<Engines> {
             // instances too, so the little CPU work they do (the copy into the staging
             // buffer) never spreads over the cores decoding needs.
             tch::set_num_threads(intra_op_threads as i32);
-            Ok(Box::new(TorchEngine::load(spec, id.gpu)?) as Box<dyn Engine>)
+            let mut engine = TorchEngine::load(spec, id.gpu)?;
+            if let Some((library, memory)) = nvjpeg {
+                engine.decode_jpeg_with(library, memory);
+            }
+            Ok(Box::new(engine) as Box<dyn Engine>)
         }
         Runtime::Onnx(options) => onnx(
             spec,
@@ -134,6 +140,40 @@ fn runtimes(settings: EngineSettings) -> anyhow::Result<Engines> {
         gpu_count: torch_gpus,
         unusable_gpus,
     })
+}
+
+/// nvJPEG for libtorch's GPU instances, with the device memory each may decode into; said
+/// once at start: where JPEGs are decoded, and why not on the GPU.
+#[cfg(feature = "torch")]
+fn jpeg_decoder(
+    settings: Option<&GpuDecode>,
+    gpus: usize,
+) -> Option<(&'static engine::nvjpeg::Library, u64)> {
+    let Some(settings) = settings else {
+        if gpus > 0 {
+            tracing::info!("--gpu-decode=false: images are decoded on the CPU");
+        }
+        return None;
+    };
+    if gpus == 0 {
+        tracing::info!("no GPU: images are decoded on the CPU");
+        return None;
+    }
+    match engine::nvjpeg::library(settings.library.as_deref()) {
+        Ok(library) => {
+            tracing::info!(
+                version = library.version(),
+                "nvJPEG loaded: JPEGs are decoded on the GPU for classifiers that run there"
+            );
+            Some((library, settings.memory_bytes))
+        }
+        Err(e) => {
+            tracing::warn!(
+                "nvJPEG did not load, images are decoded on the CPU: {e} (set --nvjpeg-library)"
+            );
+            None
+        }
+    }
 }
 
 /// An ONNX Runtime engine, or why this build has none.

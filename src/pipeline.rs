@@ -52,7 +52,8 @@ impl ImagePipeline {
         images: impl Stream<Item = Encoded<T>>,
         abort: impl Future<Output = GatewayError>,
     ) -> RunResult<T> {
-        let rows = decode(pool, &self.preprocess, images).map(|decoded| match decoded {
+        let gpu = self.classifier.decodes_on_gpu();
+        let rows = decode(pool, &self.preprocess, gpu, images).map(|decoded| match decoded {
             Ok((tag, Ok(row))) => RowIn::Row(tag, row),
             Ok((tag, Err(e))) => RowIn::Unusable(tag, e),
             Err(e) => RowIn::Abort(e),
@@ -67,19 +68,21 @@ impl ImagePipeline {
     }
 }
 
-/// Each image decoded on the pool, `DECODE_AHEAD` at a time, yielded in order as soon as it
+/// Each image prepared on the pool (decoded, or with `gpu` a JPEG the GPU decoder takes
+/// checked and passed on whole), `DECODE_AHEAD` at a time, yielded in order as soon as it
 /// and those before it are done: its tag and its row, or why it cannot be used (`Err`: the
 /// pool stopped).
 pub fn decode<'a, T: 'a>(
     pool: &'a PreprocessPool,
     settings: &'a Arc<PreprocessSettings>,
+    gpu: bool,
     images: impl Stream<Item = Encoded<T>> + 'a,
 ) -> impl Stream<Item = Result<(T, Result<Row, PreprocessError>), GatewayError>> + 'a {
     // The request's own flow: the pool takes its images in turn with other requests'.
     let flow = pool.flow();
     images
         .map(move |Encoded { tag, image }| {
-            let decoded = image.map(|bytes| flow.submit(bytes, settings.clone()));
+            let decoded = image.map(|bytes| flow.submit(bytes, settings.clone(), gpu));
             async move {
                 match decoded {
                     Ok(rx) => match rx.await {

@@ -294,6 +294,28 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_ONNXRUNTIME_LIBRARY")]
     pub onnxruntime_library: Option<PathBuf>,
 
+    /// Decode JPEGs on the GPU (nvJPEG: the hardware decoder where the GPU has one, its
+    /// CUDA decoder elsewhere) for image ensembles whose classifier runs there; progressive,
+    /// CMYK, 4:1:1, 12-bit and damaged JPEGs and other formats stay on the CPU. `false`
+    /// decodes everything on the CPU. No effect without a GPU.
+    #[arg(long, env = "VISIONGATE_GPU_DECODE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub gpu_decode: bool,
+
+    /// nvJPEG's shared library (PyPI's nvidia-nvjpeg wheel has it as
+    /// nvidia/cu13/lib/libnvjpeg.so.13; `make setup` installs it and scripts/env.sh points
+    /// here). Opened at start where an instance runs on a GPU. Unset: the dynamic linker's
+    /// search for libnvjpeg.so.13.
+    #[arg(long, env = "VISIONGATE_NVJPEG_LIBRARY")]
+    pub nvjpeg_library: Option<PathBuf>,
+
+    /// Device memory each GPU instance's JPEG decode may hold at once: a group's decoded
+    /// planes (3 bytes a pixel at the decoded size) and one image's float copy while it is
+    /// resized (12 bytes a pixel). A batch's JPEGs are decoded in groups that fit; an image
+    /// that alone needs more is decoded on the CPU.
+    #[arg(long, env = "VISIONGATE_GPU_DECODE_MEMORY_BYTES", default_value_t = 1 << 30,
+          value_parser = clap::value_parser!(u64).range(1 << 20..))]
+    pub gpu_decode_memory_bytes: u64,
+
     /// TF32 on NVIDIA GPUs that have it (Ampere and later): FP32 convolutions and matmuls
     /// with a 10-bit mantissa, several times faster. `default` keeps libtorch's choice (on
     /// for cuDNN convolutions, off for cuBLAS matmuls); `on` and `off` set both. No effect
@@ -542,6 +564,17 @@ pub struct EngineSettings {
     pub tf32: Tf32,
     /// The ONNX Runtime library (`None`: the dynamic linker's search).
     pub onnxruntime_library: Option<PathBuf>,
+    /// JPEG decode on GPU instances (`None`: turned off).
+    pub gpu_decode: Option<GpuDecode>,
+}
+
+/// JPEG decode on the GPU.
+#[derive(Debug, Clone)]
+pub struct GpuDecode {
+    /// nvJPEG (`None`: the dynamic linker's search).
+    pub library: Option<PathBuf>,
+    /// Device memory each instance's decoded images may hold at once.
+    pub memory_bytes: u64,
 }
 
 /// What every model gets unless its config says otherwise.
@@ -741,6 +774,10 @@ impl Config {
                 intra_op_threads: self.intra_op_threads,
                 tf32: self.tf32,
                 onnxruntime_library: self.onnxruntime_library.clone(),
+                gpu_decode: self.gpu_decode.then(|| GpuDecode {
+                    library: self.nvjpeg_library.clone(),
+                    memory_bytes: self.gpu_decode_memory_bytes,
+                }),
             },
             models: ModelDefaults {
                 max_queue_size: self.max_queue_size,

@@ -12,6 +12,8 @@ extern "C" {
     fn vg_set_allow_tf32(allow: c_int) -> c_int;
     fn vg_allow_tf32() -> c_int;
     fn vg_cuda_use_pool_stream(index: c_int) -> c_int;
+    fn vg_cuda_current_stream(index: c_int, stream: *mut *mut c_void) -> c_int;
+    fn vg_cuda_set_device(index: c_int) -> c_int;
     fn vg_cuda_event_new() -> *mut c_void;
     fn vg_cuda_event_free(event: *mut c_void);
     fn vg_cuda_event_record(event: *mut c_void, index: c_int) -> c_int;
@@ -64,6 +66,22 @@ pub fn allow_tf32() -> (bool, bool) {
 pub fn use_pool_stream(index: usize) -> Result<(), String> {
     // SAFETY: changes the calling thread's current-stream setting only.
     check(unsafe { vg_cuda_use_pool_stream(index as c_int) })
+}
+
+/// Makes CUDA device `index` the calling thread's current device, which CUDA libraries
+/// beside libtorch (nvJPEG) work on; libtorch's device guards restore it after each op.
+pub fn set_device(index: usize) -> Result<(), String> {
+    // SAFETY: changes the calling thread's current-device setting only.
+    check(unsafe { vg_cuda_set_device(index as c_int) })
+}
+
+/// The calling thread's current stream on CUDA device `index` (a `cudaStream_t`), for
+/// CUDA libraries that queue work beside libtorch's (nvJPEG).
+pub fn current_stream(index: usize) -> Result<*mut c_void, String> {
+    let mut stream = std::ptr::null_mut();
+    // SAFETY: reads the calling thread's current-stream setting into a live pointer slot.
+    check(unsafe { vg_cuda_current_stream(index as c_int, &mut stream) })?;
+    Ok(stream)
 }
 
 /// Autocast on the calling thread, on the CPU or on CUDA, while it lives: convolutions and

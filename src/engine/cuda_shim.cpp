@@ -76,6 +76,30 @@ int vg_cuda_use_pool_stream(int index) {
   }
 }
 
+// Makes CUDA device `index` the calling thread's current device: where CUDA libraries that
+// follow the current device (nvJPEG) put their work. libtorch's device guards restore it.
+int vg_cuda_set_device(int index) {
+  try {
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    impl.setDevice(cuda(index));
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+// The calling thread's current stream on CUDA device `index`, as the cudaStream_t other
+// CUDA libraries (nvJPEG) queue their work on (null is the default stream).
+int vg_cuda_current_stream(int index, void** stream) {
+  try {
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    *stream = impl.getStream(cuda(index)).native_handle();
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
 // A CUDA event with timing, or null (vg_last_error says why).
 void* vg_cuda_event_new() {
   try {

@@ -8,6 +8,7 @@ use tokio::sync::watch;
 
 use super::{BatchInput, Engine, EngineError, EngineOutput, OutputRequest};
 use crate::domain::{top_k, ClassScore};
+use crate::preprocess::{CpuReason, PreprocessError};
 
 pub struct FakeEngine {
     pub num_classes: usize,
@@ -18,7 +19,8 @@ pub struct FakeEngine {
 
 /// Faults a test orders: an engine error, a panic, or an answer one row short for every
 /// batch with a row whose first byte is the given value, new engines refused while
-/// `refuse_loads` is set, and batches held in the engine while the gate is closed.
+/// `refuse_loads` is set, and batches held in the engine while the gate is closed; and
+/// whether it decodes JPEG rows itself.
 #[derive(Debug, Default)]
 pub struct FakeFaults {
     pub fail_on_first_byte: Option<u8>,
@@ -26,6 +28,11 @@ pub struct FakeFaults {
     pub lose_row_on_first_byte: Option<u8>,
     pub refuse_loads: AtomicBool,
     pub gate: Gate,
+    /// The engine says it decodes JPEGs itself, as a GPU instance with nvJPEG does, and
+    /// decodes them on the CPU, as such an instance does what its GPU decoder fails: the
+    /// pipeline then passes JPEGs on whole, and a JPEG it cannot decode is its row's own
+    /// failure.
+    pub decodes_jpeg: bool,
 }
 
 /// Holds batches in the engine until the test lets them finish, so that a test about
@@ -158,6 +165,26 @@ impl Engine for FakeEngine {
     ) -> Result<EngineOutput, EngineError> {
         std::thread::sleep(self.latency);
         let rows = input.rows();
+        let (decoded, unusable) = decode_jpegs(&input);
+        let input = match (input, &decoded) {
+            (
+                BatchInput::Images {
+                    data: _,
+                    height,
+                    width,
+                    normalize,
+                    ..
+                },
+                Some(data),
+            ) => BatchInput::Images {
+                data,
+                height,
+                width,
+                normalize,
+                jpegs: &[],
+            },
+            (input, _) => input,
+        };
         let firsts: Vec<u8> = match input {
             BatchInput::Images { data, .. } => data
                 .chunks(data.len() / rows.max(1))
@@ -180,6 +207,7 @@ impl Engine for FakeEngine {
         let n = self.num_classes;
         let mut out = EngineOutput {
             num_classes: n,
+            unusable,
             ..Default::default()
         };
         let scores = |first: u8| {
@@ -227,4 +255,36 @@ impl Engine for FakeEngine {
     fn device(&self) -> super::Device {
         super::Device::Fake
     }
+
+    fn decodes_jpeg(&self) -> bool {
+        self.faults.decodes_jpeg
+    }
+}
+
+/// A batch's JPEG rows decoded into a copy of its rows (on the CPU), and those that could
+/// not be; `None` without JPEG rows.
+fn decode_jpegs(input: &BatchInput<'_>) -> (Option<Vec<u8>>, Vec<(usize, PreprocessError)>) {
+    let BatchInput::Images {
+        data,
+        height,
+        width,
+        jpegs,
+        ..
+    } = *input
+    else {
+        return (None, Vec::new());
+    };
+    if jpegs.is_empty() {
+        return (None, Vec::new());
+    }
+    let row = height * width * 3;
+    let mut data = data.to_vec();
+    let mut unusable = Vec::new();
+    for (place, jpeg) in jpegs {
+        let out = &mut data[place * row..(place + 1) * row];
+        if let Err(e) = jpeg.decode_on_cpu(CpuReason::GpuFailed, out) {
+            unusable.push((*place, e));
+        }
+    }
+    (Some(data), unusable)
 }

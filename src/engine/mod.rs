@@ -8,6 +8,8 @@ pub mod cuda;
 #[cfg(feature = "torch")]
 pub mod cuda_host;
 mod fake;
+#[cfg(feature = "torch")]
+pub mod nvjpeg;
 #[cfg(feature = "onnx")]
 mod onnx;
 #[cfg(feature = "torch")]
@@ -20,20 +22,25 @@ pub use onnx::{OnnxEngine, ONNXRUNTIME_VERSION};
 pub use torch::{cpu_runs_bf16, cuda_device_count, TorchEngine};
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::domain::{ClassScore, Normalize, Precision, Runtime};
 use crate::error::{ErrorKind, HasKind};
+use crate::preprocess::{JpegRow, PreprocessError};
 
 /// The rows of one batch, contiguous.
 #[derive(Debug, Clone, Copy)]
 pub enum BatchInput<'a> {
-    /// u8 NHWC RGB images; normalized to f32 NCHW on the engine's device.
+    /// u8 NHWC RGB images; normalized to f32 NCHW on the engine's device. The rows in
+    /// `jpegs` (each with its place) are still encoded, for the engine's GPU decoder (an
+    /// engine that `decodes_jpeg`); their rows in `data` are zeros.
     Images {
         data: &'a [u8],
         height: usize,
         width: usize,
         normalize: Normalize,
+        jpegs: &'a [(usize, Arc<JpegRow>)],
     },
     /// f32 NCHW tensors, already preprocessed.
     Tensors {
@@ -87,6 +94,21 @@ pub struct EngineOutput {
     pub logits: Option<Vec<f32>>,
     pub num_classes: usize,
     pub timings: ComputeTimings,
+    /// The JPEG rows that neither the GPU decoder nor the CPU could decode, by place:
+    /// their outputs are no one's.
+    pub unusable: Vec<(usize, PreprocessError)>,
+    /// The JPEG rows decoded on the GPU.
+    pub gpu_decoded: Option<GpuDecoded>,
+}
+
+/// What a batch's JPEGs took on the GPU.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GpuDecoded {
+    /// The metric label of the decoder: `gpu_hardware` or `gpu_assisted`.
+    pub path: &'static str,
+    pub images: usize,
+    /// Decode, resize and placement in the batch, on the device.
+    pub took: Duration,
 }
 
 impl EngineOutput {
@@ -143,6 +165,10 @@ pub trait Engine: Send {
     ) -> Result<EngineOutput, EngineError>;
     /// Where it runs.
     fn device(&self) -> Device;
+    /// Whether it decodes the JPEG rows of a batch itself, on its GPU.
+    fn decodes_jpeg(&self) -> bool {
+        false
+    }
 }
 
 /// Where an engine runs. Its batch-size timing follows it: on a CPU the cost per image

@@ -134,11 +134,13 @@ impl OnnxEngine {
         let t0 = Instant::now();
         let rows = input.rows();
         let data: &[f32] = match input {
+            // No `jpegs`: this engine does not decode them (`decodes_jpeg`).
             BatchInput::Images {
                 data,
                 height,
                 width,
                 normalize,
+                ..
             } => {
                 normalize_into(data, height, width, normalize, &mut self.staging);
                 &self.staging

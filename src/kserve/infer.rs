@@ -355,17 +355,27 @@ async fn decode_all(
     images: ImageRows,
     input: &str,
     model: &str,
-) -> Result<Vec<Row>, GatewayError> {
+) -> Result<Vec<Bytes>, GatewayError> {
     let n = images.left;
     let images = futures_util::stream::iter(images.enumerate()).map(|(i, bytes)| Encoded {
         tag: i,
         image: Ok(bytes),
     });
-    let mut decoding = std::pin::pin!(pipeline::decode(&state.pool, settings, images));
+    // Decoded here whatever the classifier's instances do: the output is the host's tensor.
+    let decoding = pipeline::decode(&state.pool, settings, false, images);
+    let mut decoding = std::pin::pin!(decoding);
     let mut rows = Vec::with_capacity(n);
     while let Some(decoded) = decoding.next().await {
         let (i, row) = decoded?;
-        rows.push(row.map_err(|error| BadRow::new(input, model, i, error))?);
+        match row.map_err(|error| BadRow::new(input, model, i, error))? {
+            Row::Bytes(pixels) => rows.push(pixels),
+            Row::Jpeg(_) => {
+                return Err(GatewayError::new(
+                    ErrorKind::Internal,
+                    "the preprocessor's decode passed a JPEG on undecoded",
+                ))
+            }
+        }
     }
     Ok(rows)
 }
@@ -433,7 +443,7 @@ fn tensor_rows(
     // Slices of the request's data: converted to f32 once, where the batch is assembled.
     let row_bytes = 3 * height * width * 4;
     Ok((0..input.data.len() / row_bytes)
-        .map(|i| input.data.slice(i * row_bytes..(i + 1) * row_bytes))
+        .map(|i| Row::Bytes(input.data.slice(i * row_bytes..(i + 1) * row_bytes)))
         .collect())
 }
 
@@ -496,7 +506,7 @@ fn classifier_outputs(
 /// The preprocessor's output: each u8 HWC row as normalized FP32 CHW.
 fn preprocessed_outputs(
     wanted: &[RequestedOutput],
-    rows: &[Row],
+    rows: &[Bytes],
     settings: &PreprocessSettings,
     normalize: &Normalize,
     model: &str,

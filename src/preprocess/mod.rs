@@ -8,10 +8,14 @@
 //! Normalization to f32 happens on the device.
 
 mod budget;
-mod exif;
+pub(crate) mod exif;
+pub mod jpeg;
 mod pool;
 
 use std::io::Cursor;
+use std::sync::Arc;
+
+use bytes::Bytes;
 
 use fast_image_resize::{
     self as fr, images::Image as FrImage, PixelType, ResizeAlg, ResizeOptions,
@@ -21,9 +25,11 @@ use turbojpeg::{Colorspace, Decompressor, PixelFormat, ScalingFactor};
 
 use crate::domain::ResizeFilter;
 use crate::error::{ErrorKind, HasKind};
+use crate::telemetry::Metrics;
 
 pub use budget::DecodeBudget;
-pub use pool::{PreprocessPool, Row};
+pub use jpeg::CpuReason;
+pub use pool::PreprocessPool;
 
 use budget::Reserved;
 
@@ -102,6 +108,138 @@ impl PreprocessError {
             PreprocessError::FileTooLarge { .. } => "file_too_large",
         }
     }
+}
+
+/// One row of a model's input.
+#[derive(Debug, Clone)]
+pub enum Row {
+    /// A preprocessed image (u8 HWC RGB of the model's input size), or a caller's tensor
+    /// row (its little-endian bytes, a slice of the request).
+    Bytes(Bytes),
+    /// A JPEG the classifier's instance decodes on its GPU, its structure checked here.
+    Jpeg(Arc<JpegRow>),
+}
+
+/// A JPEG for the GPU decoder, with what its header says and how to decode it on the CPU
+/// instead (what an instance does when the GPU decoder fails it at decode time, or when it
+/// has none).
+pub struct JpegRow {
+    pub bytes: Bytes,
+    /// As stored (before the EXIF orientation).
+    pub width: u32,
+    pub height: u32,
+    /// EXIF orientation, 1..=8.
+    pub orientation: u16,
+    /// The DCT down-scaling the CPU path would use (1, 2, 4 or 8), so that both paths
+    /// resize from the same size.
+    pub scale: u32,
+    pub settings: Arc<PreprocessSettings>,
+    budget: Arc<DecodeBudget>,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for JpegRow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JpegRow")
+            .field("bytes", &self.bytes.len())
+            .field("width", &self.width)
+            .field("height", &self.height)
+            .field("orientation", &self.orientation)
+            .field("scale", &self.scale)
+            .finish_non_exhaustive()
+    }
+}
+
+impl JpegRow {
+    /// The decoded size at `scale`: each side divided, rounded up (as libjpeg scales).
+    pub fn scaled(&self) -> (u32, u32) {
+        (
+            self.width.div_ceil(self.scale),
+            self.height.div_ceil(self.scale),
+        )
+    }
+
+    /// Decodes it on the CPU into `out` (the model's row), counted with `reason`.
+    pub fn decode_on_cpu(&self, reason: CpuReason, out: &mut [u8]) -> Result<(), PreprocessError> {
+        decode_counted(
+            &self.bytes,
+            &self.settings,
+            &self.budget,
+            &self.metrics,
+            reason,
+            out,
+        )
+    }
+}
+
+/// One image as the classifier takes it: a JPEG whose structure the GPU decoder takes,
+/// whole (`gpu`: the classifier's instances decode on a GPU), otherwise decoded here.
+pub fn prepare(
+    bytes: Bytes,
+    settings: &Arc<PreprocessSettings>,
+    gpu: bool,
+    budget: &Arc<DecodeBudget>,
+    metrics: &Arc<Metrics>,
+) -> Result<Row, PreprocessError> {
+    let reason = if !gpu {
+        CpuReason::NoGpuDecoder
+    } else if settings.filter == ResizeFilter::Area {
+        CpuReason::ResizeFilter
+    } else if !bytes.starts_with(&[0xFF, 0xD8, 0xFF]) {
+        CpuReason::NotJpeg
+    } else {
+        let structure = jpeg::walk(&bytes, MAX_JPEG_SCANS as usize);
+        match (jpeg::gpu_fallback(&structure), structure.frame) {
+            (None, Some(frame)) => {
+                let (width, height) = (u32::from(frame.width), u32::from(frame.height));
+                check_pixels(u64::from(width), u64::from(height), settings)?;
+                let scale = dct_scale(
+                    width as usize,
+                    height as usize,
+                    settings.dct_scaling_min_side,
+                );
+                return Ok(Row::Jpeg(Arc::new(JpegRow {
+                    orientation: exif::orientation(&bytes),
+                    bytes,
+                    width,
+                    height,
+                    scale: (scale.denom() / scale.num()) as u32,
+                    settings: settings.clone(),
+                    budget: budget.clone(),
+                    metrics: metrics.clone(),
+                })));
+            }
+            (Some(reason), _) => reason,
+            (None, None) => CpuReason::Damaged,
+        }
+    };
+    let mut row = vec![0u8; settings.row_len()];
+    decode_counted(&bytes, settings, budget, metrics, reason, &mut row)?;
+    Ok(Row::Bytes(Bytes::from(row)))
+}
+
+/// `decode_into`, counted in the decode metrics as a CPU decode for `reason`; a panic in a
+/// decoder is this file's error.
+fn decode_counted(
+    bytes: &[u8],
+    settings: &PreprocessSettings,
+    budget: &DecodeBudget,
+    metrics: &Metrics,
+    reason: CpuReason,
+    out: &mut [u8],
+) -> Result<(), PreprocessError> {
+    let started = std::time::Instant::now();
+    crate::memory::note_activity();
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        decode_into(bytes, settings, budget, out)
+    }))
+    .unwrap_or_else(|_| {
+        Err(PreprocessError::Invalid(
+            "the decoder failed on this file".into(),
+        ))
+    });
+    metrics.count_cpu_decode(reason.label(), started.elapsed());
+    result
 }
 
 /// Decodes `bytes` and writes the resized RGB image into `out` (`row_len()` bytes, HWC),
@@ -196,42 +334,6 @@ pub fn dct_scale(width: usize, height: usize, min_side: u32) -> ScalingFactor {
 /// small file with hundreds of repeated scans costs seconds of CPU.
 const MAX_JPEG_SCANS: u32 = 100;
 
-/// The scans (SOS segments) of a JPEG, found by walking its marker segments up to its
-/// end (EOI): segments are skipped by their length (an EXIF thumbnail's scans are not
-/// counted), scan data up to the next marker, and what follows EOI (a motion photo's
-/// video) is not read. Stops once past `limit`.
-fn count_scans(b: &[u8], limit: usize) -> usize {
-    let mut scans = 0;
-    let mut i = 2; // after SOI
-    while i + 1 < b.len() && scans <= limit {
-        if b[i] != 0xFF {
-            i += 1;
-            continue;
-        }
-        match b[i + 1] {
-            0xFF => i += 1, // fill byte
-            0xD9 => break,  // EOI
-            0x01 | 0xD0..=0xD7 => i += 2,
-            marker => {
-                let Some(length) = b.get(i + 2..i + 4) else {
-                    break;
-                };
-                i += 2 + u16::from_be_bytes([length[0], length[1]]) as usize;
-                if marker == 0xDA {
-                    scans += 1;
-                    // Entropy-coded data: up to a marker other than a stuffed 00 or RSTn.
-                    while i + 1 < b.len()
-                        && !(b[i] == 0xFF && b[i + 1] != 0 && !(0xD0..=0xD7).contains(&b[i + 1]))
-                    {
-                        i += 1;
-                    }
-                }
-            }
-        }
-    }
-    scans
-}
-
 fn decode_jpeg<'a>(
     bytes: &[u8],
     settings: &PreprocessSettings,
@@ -240,7 +342,7 @@ fn decode_jpeg<'a>(
     let invalid = |e: turbojpeg::Error| PreprocessError::Invalid(format!("JPEG: {e}"));
     // Scans counted before any decoding, so a scan bomb costs one pass over its bytes;
     // libjpeg-turbo's own limit stays as the exact guard.
-    let scans = count_scans(bytes, MAX_JPEG_SCANS as usize);
+    let scans = jpeg::walk(bytes, MAX_JPEG_SCANS as usize).scans;
     if scans > MAX_JPEG_SCANS as usize {
         return Err(PreprocessError::Invalid(format!(
             "JPEG: more than {MAX_JPEG_SCANS} scans (a progressive image has about 10)"
@@ -573,10 +675,10 @@ mod tests {
         // An ordinary progressive JPEG (Pillow's, 10 scans) still decodes, also with a
         // motion photo's video (full of FF DA pairs) after its end.
         let ordinary = include_bytes!("../../tests/fixtures/generated/progressive.jpg");
-        assert_eq!(count_scans(ordinary, 100), 10);
+        assert_eq!(jpeg::walk(ordinary, 100).scans, 10);
         let mut motion_photo = ordinary.to_vec();
         motion_photo.extend(std::iter::repeat_n([0xFF, 0xDA, 0x00, 0x04], 1000).flatten());
-        assert_eq!(count_scans(&motion_photo, 100), 10);
+        assert_eq!(jpeg::walk(&motion_photo, 100).scans, 10);
         decode_into(
             &motion_photo,
             &settings(),
@@ -585,7 +687,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            count_scans(bytes, 100),
+            jpeg::walk(bytes, 100).scans,
             101,
             "counting stops past the limit"
         );

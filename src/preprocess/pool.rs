@@ -2,25 +2,22 @@
 //! fairly: each request's images form a flow, and the threads take one image from each flow
 //! with work in turn, so a single image is not queued behind all of a large upload's.
 use std::collections::{HashMap, VecDeque};
-use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use prometheus::IntGauge;
 use tokio::sync::oneshot;
 
-use super::{decode_into, DecodeBudget, PreprocessError, PreprocessSettings};
+use super::{prepare, DecodeBudget, PreprocessError, PreprocessSettings, Row};
 use crate::telemetry::Metrics;
-
-/// One row of a model's input: a preprocessed image (u8 HWC RGB of the model's input
-/// size), or a caller's tensor row (its little-endian bytes, a slice of the request).
-pub type Row = Bytes;
 
 type Reply = oneshot::Sender<Result<Row, PreprocessError>>;
 
 struct Task {
     bytes: Bytes,
     settings: Arc<PreprocessSettings>,
+    /// Whether the classifier's instances decode JPEGs on a GPU.
+    gpu: bool,
     reply: Reply,
     _pending: Pending,
 }
@@ -149,11 +146,13 @@ pub struct Flow {
 }
 
 impl Flow {
-    /// Queues one image; the receiver yields its row or why it could not be used.
+    /// Queues one image; the receiver yields its row (decoded, or a JPEG passed on whole
+    /// for an instance that decodes on a GPU: `gpu`) or why it could not be used.
     pub fn submit(
         &self,
         bytes: Bytes,
         settings: Arc<PreprocessSettings>,
+        gpu: bool,
     ) -> oneshot::Receiver<Result<Row, PreprocessError>> {
         let (reply, rx) = oneshot::channel();
         let _pending = Pending::new(&self.pool.shared.pending);
@@ -163,6 +162,7 @@ impl Flow {
         tasks.push_back(Task {
             bytes,
             settings,
+            gpu,
             reply,
             _pending,
         });
@@ -184,10 +184,11 @@ impl Drop for Flow {
     }
 }
 
-fn worker(shared: &Shared, metrics: &Metrics, budget: &DecodeBudget) {
+fn worker(shared: &Shared, metrics: &Arc<Metrics>, budget: &Arc<DecodeBudget>) {
     while let Some(Task {
         bytes,
         settings,
+        gpu,
         reply,
         _pending: pending,
     }) = shared.next()
@@ -195,23 +196,10 @@ fn worker(shared: &Shared, metrics: &Metrics, budget: &DecodeBudget) {
         if reply.is_closed() {
             continue; // nobody waits for it (client went away)
         }
-        let started = std::time::Instant::now();
-        let mut row = vec![0u8; settings.row_len()];
-        crate::memory::note_activity();
-        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            decode_into(&bytes, &settings, budget, &mut row)
-        }))
-        .unwrap_or_else(|_| {
-            Err(PreprocessError::Invalid(
-                "the decoder failed on this file".into(),
-            ))
-        });
-        metrics
-            .decode_seconds
-            .observe(started.elapsed().as_secs_f64());
+        let result = prepare(bytes, &settings, gpu, budget, metrics);
         // Done before its row is handed on: a caller holding the row sees it counted out.
         drop(pending);
-        let _ = reply.send(result.map(|()| Bytes::from(row)));
+        let _ = reply.send(result);
     }
 }
 
@@ -240,6 +228,13 @@ mod tests {
         Bytes::from(png.into_inner())
     }
 
+    fn pixels(row: Row) -> Bytes {
+        match row {
+            Row::Bytes(b) => b,
+            Row::Jpeg(_) => panic!("a PNG is decoded on the CPU"),
+        }
+    }
+
     fn settings() -> Arc<PreprocessSettings> {
         Arc::new(PreprocessSettings {
             width: 8,
@@ -254,9 +249,9 @@ mod tests {
     async fn pool_decodes_and_reports_errors_per_task() {
         let pool = PreprocessPool::start(2, 1 << 30, Arc::new(Metrics::new()));
         let flow = pool.flow();
-        let good = flow.submit(png(4, [9, 8, 7]), settings());
-        let bad = flow.submit(Bytes::from_static(b"nope"), settings());
-        let row = good.await.unwrap().unwrap();
+        let good = flow.submit(png(4, [9, 8, 7]), settings(), false);
+        let bad = flow.submit(Bytes::from_static(b"nope"), settings(), false);
+        let row = pixels(good.await.unwrap().unwrap());
         assert_eq!(row.len(), 8 * 8 * 3);
         assert_eq!(&row[..3], &[9, 8, 7]);
         assert_eq!(bad.await.unwrap().unwrap_err().code(), "invalid_image");
@@ -269,9 +264,9 @@ mod tests {
         // 20 images of a large upload, then one of another request (encoded beforehand).
         let (photo, small) = (noise_png(1000), png(4, [4, 5, 6]));
         let big: Vec<_> = (0..20)
-            .map(|_| large.submit(photo.clone(), settings()))
+            .map(|_| large.submit(photo.clone(), settings(), false))
             .collect();
-        let one = single.submit(small, settings());
+        let one = single.submit(small, settings(), false);
         one.await.unwrap().unwrap();
         // The single image was decoded within the first few of the large upload's.
         let mut done = 0;
@@ -284,8 +279,8 @@ mod tests {
         assert!(done <= 8, "{done} of the large upload's images went first");
         // Once a flow is dropped (its images waiting with it), the pool goes on.
         drop(large);
-        let again = single.submit(png(4, [7, 7, 7]), settings());
-        assert_eq!(&again.await.unwrap().unwrap()[..3], &[7, 7, 7]);
+        let again = single.submit(png(4, [7, 7, 7]), settings(), false);
+        assert_eq!(&pixels(again.await.unwrap().unwrap())[..3], &[7, 7, 7]);
     }
 
     #[tokio::test]
@@ -296,9 +291,9 @@ mod tests {
         let (large, single) = (pool.flow(), pool.flow());
         let (photo, small) = (noise_png(1000), png(4, [4, 5, 6]));
         let mut all: Vec<_> = (0..10)
-            .map(|_| large.submit(photo.clone(), settings()))
+            .map(|_| large.submit(photo.clone(), settings(), false))
             .collect();
-        all.push(single.submit(small, settings()));
+        all.push(single.submit(small, settings(), false));
         // Every image counts until it is decoded. Those answered, read before and after the
         // count, bound it (an image leaves the count just before its answer is sent).
         let answered = || all.iter().filter(|rx| !rx.is_empty()).count() as i64;

@@ -417,7 +417,7 @@ mod tests {
     ) -> (QueuedJob, oneshot::Receiver<JobResult>) {
         let (tx, rx) = oneshot::channel();
         let job = JobRows {
-            rows: vec![bytes::Bytes::from_static(&[0u8; 3]); rows],
+            rows: vec![crate::preprocess::Row::Bytes(bytes::Bytes::from_static(&[0u8; 3])); rows],
             format: RowFormat::Image(Normalize {
                 mean: [mean; 3],
                 std: [1.0; 3],

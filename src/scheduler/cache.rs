@@ -11,6 +11,7 @@ use xxhash_rust::xxh3::Xxh3;
 use super::{RowFormat, RowOutput};
 use crate::domain::ClassScore;
 use crate::engine::OutputRequest;
+use crate::preprocess::Row;
 
 /// 128-bit xxh3 of everything that decides a row's output; a collision among 2^64 keys
 /// is far less likely than a bit flip in memory, so the row itself is not stored.
@@ -54,7 +55,7 @@ impl ResponseCache {
         generation: u64,
         format: &RowFormat,
         want: OutputRequest,
-        row: &[u8],
+        row: &Row,
     ) -> CacheKey {
         let mut h = Xxh3::new();
         h.update(&(model.len() as u64).to_le_bytes());
@@ -72,7 +73,21 @@ impl ResponseCache {
         }
         h.update(&(want.top_k as u64).to_le_bytes());
         h.update(&[u8::from(want.logits)]);
-        h.update(row);
+        match row {
+            Row::Bytes(bytes) => {
+                h.update(&[0]);
+                h.update(bytes);
+            }
+            // Encoded: its output also depends on how the preprocessor makes its row.
+            Row::Jpeg(jpeg) => {
+                let s = &jpeg.settings;
+                h.update(&[1]);
+                for v in [s.width, s.height, s.dct_scaling_min_side, s.filter as u32] {
+                    h.update(&v.to_le_bytes());
+                }
+                h.update(&jpeg.bytes);
+            }
+        }
         h.digest128()
     }
 
@@ -157,23 +172,30 @@ mod tests {
         logits: false,
     };
 
+    fn row(bytes: &'static [u8]) -> Row {
+        Row::Bytes(bytes::Bytes::from_static(bytes))
+    }
+
     #[test]
     fn the_key_depends_on_every_input() {
-        let k = ResponseCache::key("m", 1, 0, &N, TOP1, b"row");
-        assert_eq!(k, ResponseCache::key("m", 1, 0, &N, TOP1, b"row"));
-        assert_ne!(k, ResponseCache::key("n", 1, 0, &N, TOP1, b"row"));
-        assert_ne!(k, ResponseCache::key("m", 2, 0, &N, TOP1, b"row"));
-        assert_ne!(k, ResponseCache::key("m", 1, 0, &N, TOP1, b"rox"));
-        assert_ne!(k, ResponseCache::key("m", 1, 1, &N, TOP1, b"row"));
+        let k = ResponseCache::key("m", 1, 0, &N, TOP1, &row(b"row"));
+        assert_eq!(k, ResponseCache::key("m", 1, 0, &N, TOP1, &row(b"row")));
+        assert_ne!(k, ResponseCache::key("n", 1, 0, &N, TOP1, &row(b"row")));
+        assert_ne!(k, ResponseCache::key("m", 2, 0, &N, TOP1, &row(b"row")));
+        assert_ne!(k, ResponseCache::key("m", 1, 0, &N, TOP1, &row(b"rox")));
+        assert_ne!(k, ResponseCache::key("m", 1, 1, &N, TOP1, &row(b"row")));
         let other = RowFormat::Image(Normalize {
             mean: [0.4; 3],
             std: [0.5; 3],
         });
-        assert_ne!(k, ResponseCache::key("m", 1, 0, &other, TOP1, b"row"));
+        assert_ne!(k, ResponseCache::key("m", 1, 0, &other, TOP1, &row(b"row")));
         let tensor = RowFormat::TensorF32;
-        assert_ne!(k, ResponseCache::key("m", 1, 0, &tensor, TOP1, b"row"));
+        assert_ne!(
+            k,
+            ResponseCache::key("m", 1, 0, &tensor, TOP1, &row(b"row"))
+        );
         let top5 = OutputRequest { top_k: 5, ..TOP1 };
-        assert_ne!(k, ResponseCache::key("m", 1, 0, &N, top5, b"row"));
+        assert_ne!(k, ResponseCache::key("m", 1, 0, &N, top5, &row(b"row")));
     }
 
     #[test]

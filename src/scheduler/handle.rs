@@ -59,6 +59,8 @@ pub(super) struct Inner {
     pub devices: Arc<std::sync::Mutex<Vec<(String, String)>>>,
     /// Why the instances do not run where the config puts them.
     pub fallback: Option<String>,
+    /// Instances serving now whose engine decodes JPEGs on its GPU.
+    pub gpu_decoders: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Inner {
@@ -124,6 +126,16 @@ impl ModelHandle {
 
     pub fn is_ready(&self) -> bool {
         self.state() == ModelState::Ready
+    }
+
+    /// Whether an instance serving now decodes JPEGs on its GPU: the pipeline then passes
+    /// the JPEGs that decoder takes on whole (an instance without one decodes those it is
+    /// given on the CPU).
+    pub fn decodes_on_gpu(&self) -> bool {
+        self.inner
+            .gpu_decoders
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
     }
 
     /// When the last request finished (Triton's `last_inference`), in ms since the epoch.

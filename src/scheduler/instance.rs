@@ -6,10 +6,11 @@ use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::{Batch, BatchFailed, RowFormat, RowOutput};
+use super::{Batch, BatchFailed, RowFailure, RowFormat, RowOutput};
 use crate::domain::InstanceId;
 use crate::engine::{BatchInput, ComputeTimings, Engine, OutputRequest};
-use crate::telemetry::{micros, Latency, ModelSeries};
+use crate::preprocess::{CpuReason, JpegRow, PreprocessError, Row};
+use crate::telemetry::{micros, Latency, Metrics, ModelSeries};
 use prometheus::IntCounter;
 
 /// An idle instance's offer: the batcher sends the next batch through it.
@@ -22,6 +23,8 @@ pub(super) struct Slot {
 pub(super) struct InstanceContext {
     pub model: String,
     pub series: ModelSeries,
+    /// Where images decoded on the GPU are counted.
+    pub metrics: Arc<Metrics>,
     /// This instance's count of executed batches.
     pub executions: IntCounter,
     pub id: InstanceId,
@@ -101,15 +104,38 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
     let row_bytes = |elem: usize| ctx.height * ctx.width * 3 * elem;
     let mut bytes = Vec::with_capacity(batch.rows() * row_bytes(1));
     let mut tensors: Vec<f32> = Vec::new();
+    // JPEGs for the engine's GPU decoder (each with its row's place), and the rows whose
+    // image could not be decoded here.
+    let mut jpegs: Vec<(usize, Arc<JpegRow>)> = Vec::new();
+    let mut unusable: Vec<(usize, PreprocessError)> = Vec::new();
+    let on_device = engine.decodes_jpeg();
+    let mut at = 0;
     for (job, range) in &batch.parts {
         for row in &job.job.rows[range.clone()] {
-            match format {
-                RowFormat::Image(_) => bytes.extend_from_slice(row),
-                RowFormat::TensorF32 => tensors.extend(
+            match (format, row) {
+                (RowFormat::Image(_), Row::Bytes(row)) => bytes.extend_from_slice(row),
+                (RowFormat::Image(_), Row::Jpeg(jpeg)) => {
+                    let start = bytes.len();
+                    bytes.resize(start + row_bytes(1), 0);
+                    if on_device {
+                        jpegs.push((at, jpeg.clone()));
+                    } else if let Err(e) =
+                        jpeg.decode_on_cpu(CpuReason::NoGpuDecoder, &mut bytes[start..])
+                    {
+                        unusable.push((at, e));
+                    }
+                }
+                (RowFormat::TensorF32, Row::Bytes(row)) => tensors.extend(
                     row.chunks_exact(4)
                         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
                 ),
+                // The pipeline passes JPEGs on for image rows only.
+                (RowFormat::TensorF32, Row::Jpeg(_)) => {
+                    fail("a JPEG row in a batch of tensor rows".into());
+                    return true;
+                }
             }
+            at += 1;
         }
     }
     let rows = batch.rows();
@@ -119,6 +145,7 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
             height: ctx.height,
             width: ctx.width,
             normalize,
+            jpegs: &jpegs,
         },
         RowFormat::TensorF32 if tensors.len() == rows * row_bytes(1) => BatchInput::Tensors {
             data: &tensors,
@@ -142,6 +169,13 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
                 return true;
             }
             record_execution(ctx, &batch, &out.timings);
+            if let Some(gpu) = &out.gpu_decoded {
+                ctx.metrics
+                    .count_decode(gpu.path, "gpu_decodable", gpu.images as u64, gpu.took);
+            }
+            unusable.append(&mut out.unusable);
+            let mut unusable: std::collections::HashMap<usize, PreprocessError> =
+                unusable.into_iter().collect();
             let mut top_k = std::mem::take(&mut out.top_k).into_iter();
             let logits = out.logits.take();
             let mut offset = 0;
@@ -149,6 +183,9 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
                 let n = range.len();
                 let outputs = (0..n).map(|i| {
                     let mut row_top = top_k.next().unwrap_or_default();
+                    if let Some(error) = unusable.remove(&(offset + i)) {
+                        return Err(RowFailure::Unusable(error));
+                    }
                     row_top.truncate(job.job.want.top_k);
                     let row_logits = match (&logits, job.job.want.logits) {
                         (Some(l), true) => {
@@ -157,10 +194,10 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
                         }
                         _ => None,
                     };
-                    RowOutput {
+                    Ok(RowOutput {
                         top_k: row_top,
                         logits: row_logits,
-                    }
+                    })
                 });
                 job.complete(range.clone(), outputs.collect::<Vec<_>>());
                 offset += n;

@@ -149,12 +149,13 @@ pub struct RowOutput {
     pub logits: Option<Vec<f32>>,
 }
 
-/// A job's answer: each row's output, or the engine's failure of the batch it ran in; or
-/// the whole job's error (expired, the model stopped).
-pub(crate) type JobResult = Result<Vec<Result<RowOutput, BatchFailed>>, SchedulerError>;
+/// A job's answer: each row's output, or why it has none (the engine failed the batch it
+/// ran in, or its image could not be decoded where it ran); or the whole job's error
+/// (expired, the model stopped).
+pub(crate) type JobResult = Result<Vec<Result<RowOutput, RowFailure>>, SchedulerError>;
 
 struct JobOutputs {
-    outputs: Vec<Option<Result<RowOutput, BatchFailed>>>,
+    outputs: Vec<Option<Result<RowOutput, RowFailure>>>,
     remaining: usize,
     reply: Option<oneshot::Sender<JobResult>>,
 }
@@ -226,27 +227,30 @@ impl Job {
         self.lock().reply.as_ref().is_none_or(|r| r.is_closed())
     }
 
-    fn complete(&self, range: Range<usize>, outputs: impl IntoIterator<Item = RowOutput>) {
-        let outputs: Vec<RowOutput> = outputs.into_iter().collect();
+    /// `range`'s rows ran: each row's output (cached) or its own failure.
+    fn complete(&self, range: Range<usize>, outputs: Vec<Result<RowOutput, RowFailure>>) {
         if let Some((cache, keys)) = &self.cache {
             for (&key, out) in keys[range.clone()].iter().zip(&outputs) {
-                cache.insert(key, out.clone());
+                if let Ok(out) = out {
+                    cache.insert(key, out.clone());
+                }
             }
         }
-        self.settle(range, outputs.into_iter().map(Ok));
+        self.settle(range, outputs.into_iter());
     }
 
     /// The engine failed the batch that held `range`: those rows get `error`, the job's
     /// other rows are unaffected.
     fn fail_rows(&self, range: Range<usize>, error: BatchFailed) {
         let len = range.len();
-        self.settle(range, std::iter::repeat_n(Err(error), len));
+        let failure = RowFailure::ModelFailed(error);
+        self.settle(range, std::iter::repeat_n(Err(failure), len));
     }
 
     fn settle(
         &self,
         range: Range<usize>,
-        results: impl Iterator<Item = Result<RowOutput, BatchFailed>>,
+        results: impl Iterator<Item = Result<RowOutput, RowFailure>>,
     ) {
         let mut c = self.lock();
         let len = range.len();

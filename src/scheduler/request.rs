@@ -311,15 +311,29 @@ impl Admission {
         // No more jobs: the place is freed when the last one leaves the queue.
         self.place = None;
         let mut outputs = Vec::with_capacity(slots.len());
+        // Where the n-th computed row is in arrival order (rows unusable on arrival took
+        // places of their own).
+        let mut places = (0..slots.len()).filter(|&i| slots[i].1.is_none());
         for chunk in pending {
             for output in chunk.wait(&self.handle.inner).await? {
-                if let Err(failed) = &output {
-                    self.batch_failed = true;
-                    if spec.failures == RowFailures::Together {
-                        return Err(RunError::Scheduler(SchedulerError::Failed(failed.clone())));
+                let place = places.next().unwrap_or(slots.len());
+                match (&output, spec.failures) {
+                    (Err(RowFailure::ModelFailed(failed)), failures) => {
+                        self.batch_failed = true;
+                        if failures == RowFailures::Together {
+                            let failed = SchedulerError::Failed(failed.clone());
+                            return Err(RunError::Scheduler(failed));
+                        }
                     }
+                    (Err(RowFailure::Unusable(error)), RowFailures::Together) => {
+                        return Err(RunError::Unusable {
+                            row: place,
+                            error: error.clone(),
+                        })
+                    }
+                    _ => {}
                 }
-                outputs.push(output.map_err(RowFailure::ModelFailed));
+                outputs.push(output);
             }
         }
         let mut outputs = outputs.into_iter();
@@ -437,11 +451,8 @@ struct PendingRows {
 }
 
 impl PendingRows {
-    /// Each row's output, or the engine's failure of the batch it ran in.
-    async fn wait(
-        mut self,
-        inner: &Inner,
-    ) -> Result<Vec<Result<RowOutput, BatchFailed>>, RunError> {
+    /// Each row's output, or why it has none.
+    async fn wait(mut self, inner: &Inner) -> Result<Vec<Result<RowOutput, RowFailure>>, RunError> {
         let model = || inner.name.to_string();
         let computed = self
             .computed

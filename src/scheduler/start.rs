@@ -47,18 +47,19 @@ pub struct ModelSettings {
     pub live_instances: Arc<AtomicUsize>,
 }
 
-/// One instance thread in `ModelSettings::live_instances`, from just before it is
-/// spawned until it ends (or fails to spawn).
-struct LiveInstance(Arc<AtomicUsize>);
+/// One in a count while it lives: an instance thread in `ModelSettings::live_instances`
+/// (from just before it is spawned until it ends or fails to spawn), an instance whose
+/// engine decodes JPEGs on its GPU in the handle's `gpu_decoders` (while it serves).
+struct Counted(Arc<AtomicUsize>);
 
-impl LiveInstance {
-    fn new(live: &Arc<AtomicUsize>) -> Self {
-        live.fetch_add(1, Ordering::SeqCst);
-        LiveInstance(live.clone())
+impl Counted {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Counted(count.clone())
     }
 }
 
-impl Drop for LiveInstance {
+impl Drop for Counted {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::SeqCst);
     }
@@ -96,6 +97,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
 
     let mut loaded = Vec::new();
     let mut threads = Vec::new();
+    let gpu_decoders = Arc::new(AtomicUsize::new(0));
     // The batch size each device measured, for this model's other instances there.
     let tuned = Tuned::default();
     let stop = CancellationToken::new();
@@ -108,6 +110,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         let ctx = InstanceContext {
             model: name.clone(),
             series: series.clone(),
+            metrics: settings.metrics.clone(),
             executions: settings.metrics.instance_executions(&name, &id.to_string()),
             id,
             height: settings.engine.height,
@@ -117,7 +120,8 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
         let tuned = tuned.clone();
         let samples = settings.warmup.clone();
         let (instances, stop) = (instances.clone(), stop.clone());
-        let live = LiveInstance::new(&settings.live_instances);
+        let gpu_decoders = gpu_decoders.clone();
+        let live = Counted::new(&settings.live_instances);
         let spawned = std::thread::Builder::new()
             .name(format!("{name}/{id}"))
             .spawn(move || {
@@ -152,6 +156,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
                                     tracing::warn!(model = ctx.model, instance = %id, "instance restarted");
                                 }
                             }
+                            let _decoding = engine.decodes_jpeg().then(|| Counted::new(&gpu_decoders));
                             match instance_loop(&ctx, engine, target, &slots) {
                                 Ended::Stopped => return,
                                 Ended::Panicked { ran } => {
@@ -258,6 +263,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
             retiring: Default::default(),
             retired: Default::default(),
             devices,
+            gpu_decoders,
             fallback: settings.fallback,
             generation: {
                 static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

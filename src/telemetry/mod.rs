@@ -107,6 +107,11 @@ pub struct Metrics {
     pub batch_size: HistogramVec,
     pub instance_executions: IntCounterVec,
     pub decode_seconds: Histogram,
+    /// Images decoded, by path (`cpu`, `gpu_hardware`, `gpu_assisted`) and, on the CPU,
+    /// why not on a GPU.
+    decode_images: IntCounterVec,
+    /// Time spent decoding, by path: the decode threads' on the CPU, the device's on a GPU.
+    decode_duration_us: IntCounterVec,
     pub decode_memory_bytes: IntGauge,
     /// Images submitted to the decode threads and not yet decoded.
     pub decode_pending_images: IntGauge,
@@ -208,7 +213,7 @@ impl Metrics {
         let decode_seconds = Histogram::with_opts(
             HistogramOpts::new(
                 "visiongate_decode_seconds",
-                "Time to decode and resize one image",
+                "Time to decode and resize one image on the CPU",
             )
             .buckets(vec![
                 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
@@ -218,6 +223,19 @@ impl Metrics {
         registry
             .register(Box::new(decode_seconds.clone()))
             .expect("unique metric");
+        let decode_images = counter(
+            "visiongate_decode_images_total",
+            "Images decoded, by path (cpu, gpu_hardware: nvJPEG's hardware decoder, \
+             gpu_assisted: its CUDA decoder) and reason (on the cpu path, why not on a GPU; \
+             gpu_decodable on the GPU paths)",
+            &["path", "reason"],
+        );
+        let decode_duration_us = counter(
+            "visiongate_decode_duration_us_total",
+            "Time spent decoding and resizing images, by path: the decode threads' time on \
+             the cpu path, the device's on the GPU paths",
+            &["path"],
+        );
         let decode_memory_bytes = IntGauge::new(
             "visiongate_decode_memory_bytes",
             "Memory reserved by images being decoded, out of --decode-memory-bytes",
@@ -273,11 +291,29 @@ impl Metrics {
             batch_size,
             instance_executions,
             decode_seconds,
+            decode_images,
+            decode_duration_us,
             decode_memory_bytes,
             decode_pending_images,
             host: system::HostMetrics::new(&registry),
             registry,
         }
+    }
+
+    /// One image decoded on the CPU, for `reason` (why not on a GPU), in `took`.
+    pub fn count_cpu_decode(&self, reason: &str, took: std::time::Duration) {
+        self.decode_seconds.observe(took.as_secs_f64());
+        self.count_decode("cpu", reason, 1, took);
+    }
+
+    /// `images` decoded together on `path` in `took`.
+    pub fn count_decode(&self, path: &str, reason: &str, images: u64, took: std::time::Duration) {
+        self.decode_images
+            .with_label_values(&[path, reason])
+            .inc_by(images);
+        self.decode_duration_us
+            .with_label_values(&[path])
+            .inc_by(micros(took));
     }
 
     /// Registers series kept elsewhere (the remote repositories').

@@ -226,6 +226,28 @@ impl TestGateway {
         }
     }
 
+    /// The bundled ensemble over KServe HTTP, `images` as its UINT8 `RAW_IMAGE` rows:
+    /// the status and the JSON body.
+    pub async fn ensemble_infer(&self, images: &[Vec<u8>]) -> (u16, serde_json::Value) {
+        let (len, data) = padded(images);
+        let body = serde_json::json!({
+            "inputs": [{
+                "name": "RAW_IMAGE",
+                "datatype": "UINT8",
+                "shape": [images.len(), len],
+                "data": data,
+            }]
+        });
+        let resp = self
+            .client
+            .post(self.url("/v2/models/ensemble_model/infer"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        (resp.status().as_u16(), resp.json().await.unwrap())
+    }
+
     /// Waits until the classifier holds `n` requests in its queue.
     pub async fn wait_for_queued(&self, n: usize) {
         self.wait_for_metric(
@@ -235,6 +257,18 @@ impl TestGateway {
         )
         .await
     }
+}
+
+/// UINT8 `[N, L]` rows, each zero-padded to the longest: how FastAPI gateways send images
+/// to an ensemble.
+pub fn padded(images: &[Vec<u8>]) -> (usize, Vec<u8>) {
+    let len = images.iter().map(Vec::len).max().unwrap();
+    let mut data = Vec::new();
+    for image in images {
+        data.extend_from_slice(image);
+        data.resize(data.len() + len - image.len(), 0);
+    }
+    (len, data)
 }
 
 pub fn metric_sum(text: &str, name: &str, labels: &[&str]) -> f64 {

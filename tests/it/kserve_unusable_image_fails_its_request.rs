@@ -5,7 +5,7 @@ use crate::common;
 
 use std::time::Duration;
 
-use common::TestGateway;
+use common::{padded, TestGateway};
 use visiongate::config::Config;
 use visiongate::grpc::pb;
 use visiongate::grpc::pb::grpc_inference_service_client::GrpcInferenceServiceClient;
@@ -17,37 +17,6 @@ fn png(side: u32) -> Vec<u8> {
         .write_to(&mut out, image::ImageFormat::Png)
         .unwrap();
     out.into_inner()
-}
-
-/// UINT8 `[N, L]` rows, each zero-padded to the longest.
-fn padded(images: &[Vec<u8>]) -> (usize, Vec<u8>) {
-    let len = images.iter().map(Vec::len).max().unwrap();
-    let mut data = Vec::new();
-    for image in images {
-        data.extend_from_slice(image);
-        data.resize(data.len() + len - image.len(), 0);
-    }
-    (len, data)
-}
-
-async fn http_infer(gw: &TestGateway, images: &[Vec<u8>]) -> (u16, serde_json::Value) {
-    let (len, data) = padded(images);
-    let body = serde_json::json!({
-        "inputs": [{
-            "name": "RAW_IMAGE",
-            "datatype": "UINT8",
-            "shape": [images.len(), len],
-            "data": data,
-        }]
-    });
-    let resp = gw
-        .client
-        .post(gw.url("/v2/models/ensemble_model/infer"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    (resp.status().as_u16(), resp.json().await.unwrap())
 }
 
 async fn grpc_infer(gw: &TestGateway, images: &[Vec<u8>]) -> tonic::Status {
@@ -79,7 +48,7 @@ async fn an_unusable_image_fails_its_request_naming_the_row() {
     config.max_image_pixels = 100;
     let gw = TestGateway::start_fake(config, Duration::ZERO).await;
 
-    let (status, body) = http_infer(&gw, &[png(8), png(32)]).await;
+    let (status, body) = gw.ensemble_infer(&[png(8), png(32)]).await;
     assert_eq!(status, 413, "{body}");
     assert_eq!(body["code"], "payload_too_large", "{body}");
     let message = body["error"].as_str().unwrap();
@@ -92,7 +61,7 @@ async fn an_unusable_image_fails_its_request_naming_the_row() {
     assert!(status.message().contains("row 1"), "{status:?}");
 
     let not_an_image = b"this is not an image".to_vec();
-    let (status, body) = http_infer(&gw, &[not_an_image.clone(), png(8)]).await;
+    let (status, body) = gw.ensemble_infer(&[not_an_image.clone(), png(8)]).await;
     assert_eq!(status, 400, "{body}");
     assert_eq!(body["code"], "invalid_input", "{body}");
     assert!(body["error"].as_str().unwrap().contains("row 0"), "{body}");

@@ -18,6 +18,7 @@ mod error_contract_is_pinned;
 mod every_route_answers_its_restriction;
 mod full_queue_answers_503_with_retry_after;
 mod higher_priority_requests_run_first;
+mod jpegs_go_whole_to_instances_that_decode_them;
 mod kserve_unusable_image_fails_its_request;
 mod metrics_use_triton_names;
 mod model_configs_cannot_take_the_server_down;

@@ -56,7 +56,9 @@ def test_compose_service_has_ports_gpu_healthcheck_and_restart():
         "8002",
     ]
     (device,) = service["deploy"]["resources"]["reservations"]["devices"]
-    assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
+    # `video`: the GPU's JPEG decoder, asked for here and in the image's environment.
+    assert device["capabilities"] == ["gpu", "compute", "utility", "video"] and device["driver"] == "nvidia"
+    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility,video" in (ROOT / "Dockerfile").read_text()
     assert "/v2/health/ready" in " ".join(service["healthcheck"]["test"])
     assert service["restart"] == "unless-stopped"
     # The image reads its repository from /models, so `./models:/models` can be mounted.
