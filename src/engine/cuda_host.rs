@@ -91,7 +91,7 @@ fn libtorch_dir() -> Option<String> {
     }
 }
 
-fn dl_error() -> Option<String> {
+pub(super) fn dl_error() -> Option<String> {
     // SAFETY: dlerror returns null or a NUL-terminated message of this thread's last
     // dl* failure.
     unsafe {

@@ -11,6 +11,8 @@ use std::ffi::{c_int, c_uint, c_void, CStr, CString};
 use std::path::Path;
 use std::sync::OnceLock;
 
+use crate::telemetry::cast;
+
 type Status = c_int;
 type Handle = *mut c_void;
 type State = *mut c_void;
@@ -97,16 +99,7 @@ fn open(path: Option<&Path>) -> Result<Library, String> {
     // lifetime (the functions below point into it).
     let handle = unsafe { libc::dlopen(c_name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     if handle.is_null() {
-        // SAFETY: dlerror returns a NUL-terminated message or null.
-        let why = unsafe { libc::dlerror() };
-        let why = if why.is_null() {
-            "not found".to_string()
-        } else {
-            // SAFETY: non-null, NUL-terminated, copied out at once.
-            unsafe { CStr::from_ptr(why) }
-                .to_string_lossy()
-                .into_owned()
-        };
+        let why = super::cuda_host::dl_error().unwrap_or_else(|| "not found".into());
         return Err(format!("cannot open {name}: {why}"));
     }
     let sym = |symbol: &CStr| -> Result<*mut c_void, String> {
@@ -527,15 +520,6 @@ fn create(lib: &Library, backend: c_int) -> Result<Handle, String> {
         "nvjpegCreateEx ({name} backend): {}",
         status_text(status)
     ))
-}
-
-/// # Safety
-/// `p` must be a function of signature `F`.
-unsafe fn cast<F: Copy>(p: *mut c_void) -> F {
-    assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
-    // SAFETY: a function pointer has a pointer's size (checked); the caller vouches for
-    // the signature.
-    unsafe { std::mem::transmute_copy(&p) }
 }
 
 #[cfg(test)]

@@ -4,6 +4,8 @@
 //! visiongate's own carry the `visiongate_` prefix. Each gateway owns its registry.
 mod latency;
 mod nvml;
+#[cfg(feature = "torch")]
+pub(crate) use nvml::cast;
 mod system;
 
 use prometheus::{

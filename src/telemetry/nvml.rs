@@ -173,7 +173,7 @@ impl GpuProbe for Nvml {
 ///
 /// # Safety
 /// The symbol must be a function with `F`'s signature.
-unsafe fn cast<F: Copy>(p: *mut c_void) -> F {
+pub(crate) unsafe fn cast<F: Copy>(p: *mut c_void) -> F {
     assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
     // SAFETY: a function pointer has a pointer's size (checked); the caller vouches for
     // the signature.
