@@ -12,10 +12,15 @@
 #     all-but-one decode threads, with where the images were decoded (the server's
 #     visiongate_decode_images_total) and the GPU utilisation nvidia-smi samples meanwhile;
 #   - the anchor: torchvision's batched decode_jpeg(..., device="cuda") on the same photos,
-#     from the host's own Python.
+#     from the host's own Python;
+#   - CUDA shared memory with tritonclient's utilities (the kit's wheels/): the ensemble
+#     reads its images from GPU memory the client shares by CUDA IPC handle and writes its
+#     scores to another such region, over gRPC (tritonclient) and HTTP (its JSON), and the
+#     scores are compared with the same request's without shared memory.
 # --cpu runs all of it with CUDA hidden (200 images; no anchor), so the kit is tested on
 # machines without a GPU: the "GPU" runs must then agree with the CPU run exactly in top-1
-# and decode every image on the CPU.
+# and decode every image on the CPU, and registering CUDA shared memory must be refused
+# with "GPUs not supported".
 # The report goes to stdout and DIR/report.txt (default ./gpu-check-out), with each
 # server's log beside it.
 set -euo pipefail
@@ -146,6 +151,88 @@ elif cmd == "anchor":  # PHOTOS N: torchvision's batched GPU decode of N images,
             best = min(best, time.perf_counter() - start)
         print(f"torchvision {torchvision.__version__} {name}: {n} images in {best:.3f} s, "
               f"{n / best:.0f} images/s (best of 3, one batch)")
+elif cmd == "cudashm":  # HTTP_URL GRPC_URL PHOTOS WHEELS [cpu]: the ensemble through CUDA shm
+    import base64, urllib.error
+    http_url, grpc_url, folder, wheels = args[:4]
+    def post(path, body):
+        req = urllib.request.Request(http_url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.load(r) if r.length else None
+    if args[4:] == ["cpu"]:  # no GPU (and the wheels are for the GPU host's Python)
+        try:
+            post("/v2/cudasharedmemory/region/in/register",
+                 {"raw_handle": {"b64": base64.b64encode(bytes(64)).decode()}, "device_id": 0,
+                  "byte_size": 64})
+            sys.exit("a CUDA region was registered with CUDA hidden")
+        except urllib.error.HTTPError as e:
+            error = json.load(e)["error"]
+            assert e.code == 400 and "GPUs not supported" in error, (e.code, error)
+            print(f"without a GPU: {e.code} {error}")
+        sys.exit(0)
+    sys.path.insert(0, wheels)
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import tritonclient.utils.cuda_shared_memory as cudashm
+    from tritonclient.utils import InferenceServerException
+    files = [p.read_bytes() for p in photos(folder)][:16]
+    longest = max(len(f) for f in files)
+    batch = np.stack([np.pad(np.frombuffer(f, np.uint8), (0, longest - len(f))) for f in files])
+    c = grpcclient.InferenceServerClient(grpc_url)
+    inp = grpcclient.InferInput("RAW_IMAGE", list(batch.shape), "UINT8")
+    inp.set_data_from_numpy(batch)
+    expected = c.infer("ensemble_model", [inp]).as_numpy("output__0")
+    scores_size = expected.nbytes
+    h_in = cudashm.create_shared_memory_region("vg_in", batch.nbytes, 0)
+    h_out = cudashm.create_shared_memory_region("vg_out", 256 + scores_size, 0)
+    try:
+        cudashm.set_shared_memory_region(h_in, [batch])
+        c.register_cuda_shared_memory("vg_in", cudashm.get_raw_handle(h_in), 0, batch.nbytes)
+        c.register_cuda_shared_memory("vg_out", cudashm.get_raw_handle(h_out), 0, 256 + scores_size)
+        status = c.get_cuda_shared_memory_status(as_json=True)
+        print("registered: " + ", ".join(sorted(status.get("regions", {}))))
+        for transport in ("grpc", "http"):
+            if transport == "grpc":
+                inp = grpcclient.InferInput("RAW_IMAGE", list(batch.shape), "UINT8")
+                inp.set_shared_memory("vg_in", batch.nbytes)
+                out = grpcclient.InferRequestedOutput("output__0")
+                out.set_shared_memory("vg_out", scores_size, 256)
+                start = time.perf_counter()
+                c.infer("ensemble_model", [inp], outputs=[out])
+            else:
+                start = time.perf_counter()
+                post("/v2/models/ensemble_model/infer", {
+                    "inputs": [{"name": "RAW_IMAGE", "datatype": "UINT8", "shape": list(batch.shape),
+                                "parameters": {"shared_memory_region": "vg_in",
+                                               "shared_memory_byte_size": batch.nbytes}}],
+                    "outputs": [{"name": "output__0",
+                                 "parameters": {"shared_memory_region": "vg_out",
+                                                "shared_memory_byte_size": scores_size,
+                                                "shared_memory_offset": 256}}]})
+            took = time.perf_counter() - start
+            raw = cudashm.get_contents_as_numpy(h_out, np.uint8, [256 + scores_size])
+            got = raw[256:].view(np.float32).reshape(expected.shape)
+            same = sum(int(np.argmax(a) == np.argmax(b)) for a, b in zip(got, expected))
+            print(f"{transport}: {len(files)} images from GPU memory, scores to GPU memory in "
+                  f"{took * 1000:.0f} ms; top-1 agreement {same}/{len(files)} with the request "
+                  f"without shared memory, largest difference {float(np.abs(got - expected).max()):.3g}")
+            if same != len(files):
+                sys.exit("CUDA shared memory changed the answer")
+            cudashm.set_shared_memory_region(h_out, [np.zeros(scores_size + 256, np.uint8)])
+        # The region's bounds hold: a read past it is refused, naming it.
+        try:
+            inp = grpcclient.InferInput("RAW_IMAGE", list(batch.shape), "UINT8")
+            inp.set_shared_memory("vg_in", batch.nbytes, offset=1)
+            c.infer("ensemble_model", [inp])
+            sys.exit("a read past a CUDA region was served")
+        except InferenceServerException as e:
+            print(f"past the region: {e.status()} {e.message()}")
+        c.unregister_cuda_shared_memory()
+        left = c.get_cuda_shared_memory_status(as_json=True).get("regions", {})
+        print(f"after unregister: {len(left)} regions")
+    finally:
+        cudashm.destroy_shared_memory_region(h_in)
+        cudashm.destroy_shared_memory_region(h_out)
 elif cmd == "utilisation":  # FILE: nvidia-smi samples "util, memory"
     rows = [l.split(",") for l in Path(args[0]).read_text().splitlines() if l.strip()]
     util = [float(r[0]) for r in rows]
@@ -254,5 +341,27 @@ for set in small all; do
     say "  anchor: $("$PY" "$helper" anchor "$folder" "$images" 2>&1 | tr '\n' ';')"
   fi
 done
+say ""
+say "## CUDA shared memory (tritonclient $(cd "$KIT/wheels" && ls tritonclient-*.whl | cut -d- -f2))"
+# tritonclient's gRPC client and CUDA utilities with what they import, for Python 3.12.
+wheels=$out/wheels
+"$PY" - "$KIT/wheels" "$wheels" <<'WHEELS'
+import sys, zipfile
+from pathlib import Path
+src, dest = sys.argv[1:]
+for wheel in Path(src).glob("*.whl"):
+    zipfile.ZipFile(wheel).extractall(dest)
+WHEELS
+serve cudashm "${gpu_env[@]}" -- --allow-client-shm=true --decode-threads 4
+cpu_flag=()
+((cpu_only)) && cpu_flag=(cpu)
+if ! "$PY" "$helper" cudashm "$url" "127.0.0.1:$grpc" "$KIT/photos/small" "$wheels" "${cpu_flag[@]}" \
+  > "$out/cudashm.txt" 2>&1; then
+  sed 's/^/  /' "$out/cudashm.txt" | tee -a "$report"
+  echo "gpu-check: the CUDA shared memory check failed" >&2
+  exit 1
+fi
+sed 's/^/  /' "$out/cudashm.txt" | tee -a "$report"
+stop_server
 say ""
 say "gpu-check: done (report: $report)"

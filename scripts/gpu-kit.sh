@@ -10,6 +10,9 @@
 #                  decode on the GPU, compressed likewise
 #   models/        the bundled repository, model.pt exported by torch 2.11.0
 #   photos/        the test photos (tests/fixtures/photos, with their sources)
+#   wheels/        tritonclient's gRPC client and CUDA shared-memory utilities, with what
+#                  they import that the host lacks (cuda-bindings, grpcio, ...), for Python
+#                  3.12: the CUDA shared-memory check
 #   gpu-check.sh   the check to run there (scripts/gpu-check.sh)
 # The main build stays on tch 0.26 / torch 2.13.0. Then the kit's CPU mode runs here (the
 # same binary on torch 2.11's CPU path), so the kit cannot rot unnoticed.
@@ -64,8 +67,22 @@ say "cargo build --release against torch $KIT_TORCH (tch $KIT_TCH; target: $KIT_
 )
 
 # 3. The kit.
+# The client's wheels for the host's Python 3.12 (numpy comes with its torchvision), once.
+wheels=$KIT_HOME/wheels
+client=(tritonclient==2.73.0 grpcio==1.85.3 protobuf==6.33.6 python-rapidjson==1.25
+  ml-dtypes==0.5.4 packaging==26.4 typing-extensions==4.16.0 cuda-bindings==13.0.3
+  cuda-pathfinder==1.9.1)
+if [[ $(cat "$wheels/.pins" 2>/dev/null) != "${client[*]}" ]]; then
+  say "downloading ${client[*]} for Python 3.12 into $wheels"
+  rm -rf "$wheels"
+  "$py" -m pip download -q --disable-pip-version-check --only-binary=:all: --no-deps \
+    --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$wheels" "${client[@]}"
+  echo "${client[*]}" > "$wheels/.pins"
+fi
 rm -rf "$KIT"
-mkdir -p "$KIT/models" "$KIT/photos" "$KIT/lib"
+mkdir -p "$KIT/models" "$KIT/photos" "$KIT/lib" "$KIT/wheels"
+cp "$wheels"/*.whl "$KIT/wheels/"
 # xz: the kit travels within 64 MiB (gpu-check.sh unpacks with Python's lzma).
 strip --strip-all -o "$KIT_HOME/visiongate" "$KIT_HOME/target/release/visiongate"
 xz -T0 -6 -c "$KIT_HOME/visiongate" > "$KIT/visiongate.xz"
@@ -83,7 +100,7 @@ cat > "$KIT/BUILD" <<EOF
 visiongate $(git describe --always --dirty 2>/dev/null || echo unknown), torch $KIT_TORCH, tch $KIT_TCH, built $(date -u +%Y-%m-%dT%H:%MZ)
 EOF
 size=$(du -sb "$KIT" | cut -f1)
-say "gpu-kit/: $((size / 1024 / 1024)) MiB ($(du -h "$KIT/visiongate.xz" | cut -f1) binary, $(du -h "$KIT/lib/libnvjpeg.so.13.xz" | cut -f1) nvJPEG, $(du -h "$KIT/models/classifier/1/model.pt" | cut -f1) model, $(du -sh "$KIT/photos" | cut -f1) photos)"
+say "gpu-kit/: $((size / 1024 / 1024)) MiB ($(du -h "$KIT/visiongate.xz" | cut -f1) binary, $(du -h "$KIT/lib/libnvjpeg.so.13.xz" | cut -f1) nvJPEG, $(du -h "$KIT/models/classifier/1/model.pt" | cut -f1) model, $(du -sh "$KIT/photos" | cut -f1) photos, $(du -sh "$KIT/wheels" | cut -f1) client wheels)"
 ((size < LIMIT)) || { echo "gpu-kit: $size bytes, over the 64 MiB a GPU host takes along" >&2; exit 1; }
 
 # 4. Its CPU mode, here.

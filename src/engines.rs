@@ -10,6 +10,7 @@ use crate::config::EngineSettings;
 use crate::config::{GpuDecode, Tf32};
 #[cfg(feature = "torch")]
 use crate::domain::Runtime;
+use crate::engine::cuda_ipc::{CudaIpc, NoGpus};
 #[cfg(feature = "torch")]
 use crate::engine::{self, cuda_host, TorchEngine};
 use crate::engine::{Engine, FakeFaults};
@@ -40,6 +41,8 @@ pub struct Engines {
     /// GPUs of the host that CUDA cannot start on: `KIND_GPU` instances are planned on
     /// them so that they fail with the reason rather than run on the CPU.
     pub unusable_gpus: usize,
+    /// The GPUs' memory clients share by CUDA IPC handle (CUDA shared memory).
+    pub cuda_ipc: Arc<dyn CudaIpc>,
 }
 
 impl Engines {
@@ -58,13 +61,21 @@ impl Engines {
                 num_classes,
                 latency,
                 faults,
-            } => Ok(Engines {
-                factory: Arc::new(move |spec, _| {
-                    Ok(Box::new(faults.load(&spec.file, num_classes, latency)?) as Box<dyn Engine>)
-                }),
-                gpu_count: 0,
-                unusable_gpus: 0,
-            }),
+            } => {
+                let cuda_ipc: Arc<dyn CudaIpc> = match &faults.cuda_ipc {
+                    Some(fake) => fake.clone(),
+                    None => Arc::new(NoGpus),
+                };
+                Ok(Engines {
+                    factory: Arc::new(move |spec, _| {
+                        Ok(Box::new(faults.load(&spec.file, num_classes, latency)?)
+                            as Box<dyn Engine>)
+                    }),
+                    gpu_count: 0,
+                    unusable_gpus: 0,
+                    cuda_ipc,
+                })
+            }
         }
     }
 }
@@ -139,6 +150,7 @@ fn runtimes(settings: EngineSettings) -> anyhow::Result<Engines> {
         factory,
         gpu_count: torch_gpus,
         unusable_gpus,
+        cuda_ipc: Arc::new(engine::cuda_ipc::HostGpus::default()),
     })
 }
 

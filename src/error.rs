@@ -35,8 +35,6 @@ pub enum ErrorKind {
     DeadlineExceeded,
     /// The model failed on the batch the request's rows ran in (the log says why).
     ModelFailed,
-    /// A feature this server does not offer, or one left off by a flag.
-    Unsupported,
     Internal,
 }
 
@@ -50,7 +48,7 @@ const CLIENT_CLOSED_REQUEST: u16 = 499;
 
 impl ErrorKind {
     /// Every kind, for tables and tests.
-    pub const ALL: [ErrorKind; 17] = [
+    pub const ALL: [ErrorKind; 16] = [
         ErrorKind::InvalidInput,
         ErrorKind::UnsupportedMediaType,
         ErrorKind::PayloadTooLarge,
@@ -66,7 +64,6 @@ impl ErrorKind {
         ErrorKind::Cancelled,
         ErrorKind::DeadlineExceeded,
         ErrorKind::ModelFailed,
-        ErrorKind::Unsupported,
         ErrorKind::Internal,
     ];
 
@@ -88,7 +85,6 @@ impl ErrorKind {
             ErrorKind::Cancelled => "cancelled",
             ErrorKind::DeadlineExceeded => "deadline_exceeded",
             ErrorKind::ModelFailed => "model_failed",
-            ErrorKind::Unsupported => "unsupported",
             ErrorKind::Internal => "internal",
         }
     }
@@ -112,7 +108,6 @@ impl ErrorKind {
                 tonic::Code::DeadlineExceeded
             }
             ErrorKind::ModelFailed | ErrorKind::Internal => tonic::Code::Internal,
-            ErrorKind::Unsupported => tonic::Code::Unimplemented,
         }
     }
 
@@ -134,7 +129,6 @@ impl ErrorKind {
                 .expect("499 is within the valid status range"),
             ErrorKind::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
             ErrorKind::ModelFailed | ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-            ErrorKind::Unsupported => StatusCode::NOT_IMPLEMENTED,
         }
     }
 }

@@ -272,6 +272,7 @@ fn build_state(
             decode_threads,
             decode_memory: settings.decode_memory,
             server: settings.server.clone(),
+            cuda_ipc: engines.cuda_ipc,
         },
     )
 }

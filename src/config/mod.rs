@@ -406,10 +406,10 @@ pub struct Config {
     #[arg(long, value_parser = triton::boolean, default_value = "true", action = ArgAction::Set)]
     pub strict_readiness: bool,
 
-    /// Clients may register system shared-memory regions and name them in inference
-    /// requests instead of sending tensors (Triton's `--allow-client-shm`; off by default,
-    /// as in Triton: a client can then read and write any shared-memory object the server's
-    /// user can open).
+    /// Clients may register shared-memory regions, system and CUDA, and name them in
+    /// inference requests instead of sending tensors (Triton's `--allow-client-shm`; off by
+    /// default, as in Triton: a client can then read and write any shared-memory object the
+    /// server's user can open).
     #[arg(long, value_parser = triton::boolean, default_value = "false", action = ArgAction::Set)]
     pub allow_client_shm: bool,
 

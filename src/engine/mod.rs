@@ -7,6 +7,7 @@ mod aoti;
 pub mod cuda;
 #[cfg(feature = "torch")]
 pub mod cuda_host;
+pub mod cuda_ipc;
 mod fake;
 #[cfg(feature = "torch")]
 pub mod nvjpeg;

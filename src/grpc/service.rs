@@ -11,7 +11,7 @@ use super::pb::{self, grpc_inference_service_server::GrpcInferenceService};
 use crate::error::GatewayError;
 use crate::kserve;
 use crate::state::{
-    load_parameters, unload_parameters, AppState, ControlParam, Drain, Restrictions, ShmError,
+    load_parameters, unload_parameters, AppState, ControlParam, Drain, Restrictions, ShmKind,
 };
 
 #[derive(Clone)]
@@ -36,10 +36,6 @@ impl InferenceService {
 
 fn version(v: &str) -> Option<&str> {
     Some(v).filter(|v| !v.is_empty())
-}
-
-fn cuda_unsupported() -> Status {
-    GatewayError::from(ShmError::Cuda).into()
 }
 
 /// Load/unload parameters as the transport-neutral `ControlParam`.
@@ -301,8 +297,8 @@ impl GrpcInferenceService for InferenceService {
         let name = request.into_inner().name;
         let shm = &self.state.shared_memory;
         match name.as_str() {
-            "" => shm.unregister_all(),
-            name => shm.unregister(name),
+            "" => shm.unregister_all(ShmKind::System),
+            name => shm.unregister(ShmKind::System, name),
         }
         .map_err(GatewayError::from)?;
         Ok(Response::new(pb::SystemSharedMemoryUnregisterResponse {}))
@@ -310,23 +306,67 @@ impl GrpcInferenceService for InferenceService {
 
     async fn cuda_shared_memory_status(
         &self,
-        _: Request<pb::CudaSharedMemoryStatusRequest>,
+        request: Request<pb::CudaSharedMemoryStatusRequest>,
     ) -> Result<Response<pb::CudaSharedMemoryStatusResponse>, Status> {
-        Err(cuda_unsupported())
+        let name = request.into_inner().name;
+        let regions = self
+            .state
+            .shared_memory
+            .cuda_status(Some(name.as_str()).filter(|n| !n.is_empty()))
+            .map_err(GatewayError::from)?;
+        let regions = regions
+            .into_iter()
+            .map(|r| {
+                let status = pb::cuda_shared_memory_status_response::RegionStatus {
+                    name: r.name.clone(),
+                    device_id: r.device_id,
+                    byte_size: r.byte_size,
+                };
+                (r.name, status)
+            })
+            .collect();
+        Ok(Response::new(pb::CudaSharedMemoryStatusResponse {
+            regions,
+        }))
     }
 
     async fn cuda_shared_memory_register(
         &self,
-        _: Request<pb::CudaSharedMemoryRegisterRequest>,
+        request: Request<pb::CudaSharedMemoryRegisterRequest>,
     ) -> Result<Response<pb::CudaSharedMemoryRegisterResponse>, Status> {
-        Err(cuda_unsupported())
+        let r = request.into_inner();
+        let state = self.state.clone();
+        // Opening a handle is a driver call: off the connection's thread.
+        let register = move || {
+            let shm = &state.shared_memory;
+            shm.register_cuda(&r.name, &r.raw_handle, r.device_id, r.byte_size)
+        };
+        tokio::task::spawn_blocking(register)
+            .await
+            .map_err(|_| Status::internal("the CUDA register task failed"))?
+            .map_err(GatewayError::from)?;
+        Ok(Response::new(pb::CudaSharedMemoryRegisterResponse {}))
     }
 
     async fn cuda_shared_memory_unregister(
         &self,
-        _: Request<pb::CudaSharedMemoryUnregisterRequest>,
+        request: Request<pb::CudaSharedMemoryUnregisterRequest>,
     ) -> Result<Response<pb::CudaSharedMemoryUnregisterResponse>, Status> {
-        Err(cuda_unsupported())
+        let name = request.into_inner().name;
+        let state = self.state.clone();
+        // Closing a region is a driver call: off the connection's thread.
+        let unregister = move || {
+            let shm = &state.shared_memory;
+            match name.as_str() {
+                "" => shm.unregister_all(ShmKind::Cuda),
+                name => shm.unregister(ShmKind::Cuda, name),
+            }
+        };
+        tokio::task::spawn_blocking(unregister)
+            .await
+            .map_err(|_| Status::internal("the CUDA unregister task failed"))?
+            .map_err(GatewayError::from)?;
+        Ok(Response::new(pb::CudaSharedMemoryUnregisterResponse {}))
     }
 
     async fn trace_setting(

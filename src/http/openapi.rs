@@ -37,13 +37,18 @@ use super::{health, predict, shm, v2, v2_infer};
         shm::register,
         shm::unregister_all,
         shm::unregister,
+        shm::cuda_status,
+        shm::cuda_region_status,
+        shm::cuda_register,
+        shm::cuda_unregister_all,
+        shm::cuda_unregister,
     ),
     tags(
         (name = "predict", description = "Classify uploaded images"),
         (name = "health", description = "Liveness and readiness (KServe v2)"),
         (name = "kserve", description = "KServe v2 / Triton HTTP protocol"),
         (name = "repository", description = "Triton's model repository extension"),
-        (name = "shared memory", description = "Triton's system shared memory extension (`--allow-client-shm=true`)"),
+        (name = "shared memory", description = "Triton's system and CUDA shared memory extensions (`--allow-client-shm=true`)"),
     )
 )]
 struct ApiDoc;

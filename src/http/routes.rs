@@ -124,6 +124,41 @@ pub fn routes() -> Vec<HttpRoute> {
             true,
             |r| r.to(shm::unregister),
         ),
+        route(
+            get.clone(),
+            "/v2/cudasharedmemory/status",
+            Api(SharedMemory),
+            true,
+            |r| r.to(shm::cuda_status),
+        ),
+        route(
+            get.clone(),
+            "/v2/cudasharedmemory/region/{name}/status",
+            Api(SharedMemory),
+            true,
+            |r| r.to(shm::cuda_region_status),
+        ),
+        route(
+            post.clone(),
+            "/v2/cudasharedmemory/region/{name}/register",
+            Api(SharedMemory),
+            true,
+            |r| r.to(shm::cuda_register),
+        ),
+        route(
+            post.clone(),
+            "/v2/cudasharedmemory/unregister",
+            Api(SharedMemory),
+            true,
+            |r| r.to(shm::cuda_unregister_all),
+        ),
+        route(
+            post.clone(),
+            "/v2/cudasharedmemory/region/{name}/unregister",
+            Api(SharedMemory),
+            true,
+            |r| r.to(shm::cuda_unregister),
+        ),
         route(get.clone(), "/", Open, false, |r| r.to(index)),
         route(get.clone(), "/docs", Open, false, |r| r.to(docs_redirect)),
         route(get.clone(), "/docs/{file:.*}", Open, false, |r| {
@@ -133,19 +168,6 @@ pub fn routes() -> Vec<HttpRoute> {
             r.to(openapi_json)
         }),
     ];
-    // CUDA shared memory: each of Triton's routes answers 501 (not in the document:
-    // schemathesis counts every 5xx as a server error).
-    for (method, path) in [
-        (&get, "/v2/cudasharedmemory/status"),
-        (&get, "/v2/cudasharedmemory/region/{name}/status"),
-        (&post, "/v2/cudasharedmemory/region/{name}/register"),
-        (&post, "/v2/cudasharedmemory/unregister"),
-        (&post, "/v2/cudasharedmemory/region/{name}/unregister"),
-    ] {
-        routes.push(route(method.clone(), path, Api(SharedMemory), false, |r| {
-            r.to(shm::cuda)
-        }));
-    }
     // Each model route with and without `/versions/{version}`.
     for base in [
         "/v2/models/{model}",

@@ -26,13 +26,14 @@ use crate::state::{AppState, ServedModel};
 pub const SERVER_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The protocol extensions this server implements, as reported in server metadata.
-pub const EXTENSIONS: [&str; 6] = [
+pub const EXTENSIONS: [&str; 7] = [
     "classification",
     "binary_tensor_data",
     "statistics",
     "model_configuration",
     "model_repository",
     "system_shared_memory",
+    "cuda_shared_memory",
 ];
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]

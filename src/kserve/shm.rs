@@ -60,7 +60,8 @@ pub async fn read_input(
     }
     let place = state.shared_memory.place(at)?;
     let (name, limit) = (input.name.clone(), state.limits.max_body_bytes);
-    input.data = blocking(at.byte_size, move || place.read(&name, limit)).await??;
+    let inline = at.byte_size < 1 << 20 && !place.on_gpu();
+    input.data = blocking(inline, move || place.read(&name, limit)).await??;
     Ok(())
 }
 
@@ -76,18 +77,20 @@ pub async fn write_outputs(
         };
         out.shared_memory = Some(place.at().clone());
         let (name, data) = (out.name.clone(), std::mem::take(&mut out.data));
-        blocking(data.len() as u64, move || place.write(&name, &data)).await??;
+        let inline = data.len() < 1 << 20 && !place.on_gpu();
+        blocking(inline, move || place.write(&name, &data)).await??;
     }
     Ok(())
 }
 
-/// Runs file I/O of `bytes` bytes: small ones here, large ones on Tokio's blocking threads
-/// (a copy of many megabytes would hold up every connection of this worker).
+/// Runs a region's I/O: `inline` (a small file read or write) here, the rest (a copy of many
+/// megabytes, or any copy from or to a GPU, which the driver may hold up) on Tokio's
+/// blocking threads, where it holds up no connection of this worker.
 async fn blocking<T: Send + 'static>(
-    bytes: u64,
+    inline: bool,
     io: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, GatewayError> {
-    if bytes < 1 << 20 {
+    if inline {
         return Ok(io());
     }
     tokio::task::spawn_blocking(io)

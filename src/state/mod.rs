@@ -15,7 +15,7 @@ pub use control::{load_parameters, unload_parameters, ControlMode, ControlParam,
 pub use drain::{Drain, Work};
 pub use registry::Registry;
 pub use restrict::{ApiKeys, Endpoint, Restrictions, GRPC_HEADER_PREFIX};
-pub use shm::{Place, RegionStatus, SharedMemory, ShmError, ShmRef};
+pub use shm::{CudaRegionStatus, Place, RegionStatus, SharedMemory, ShmError, ShmKind, ShmRef};
 pub use table::{ModelEntry, ModelTable};
 
 use crate::domain::{ModelVersion, Normalize};
@@ -125,7 +125,7 @@ pub struct ServerOptions {
     /// Readiness waits for every loaded model (Triton's `--strict-readiness`); without
     /// it, the server is ready once it runs.
     pub strict_readiness: bool,
-    /// Clients may register system shared memory (Triton's `--allow-client-shm`).
+    /// Clients may register shared memory, system and CUDA (Triton's `--allow-client-shm`).
     pub allow_client_shm: bool,
     /// Restricted endpoints per transport.
     pub keys: ApiKeys,
@@ -152,6 +152,8 @@ pub struct StateSettings {
     /// Bytes of decoded images all decode threads together may hold.
     pub decode_memory: u64,
     pub server: ServerOptions,
+    /// How CUDA shared-memory regions are opened.
+    pub cuda_ipc: Arc<dyn crate::engine::cuda_ipc::CudaIpc>,
 }
 
 /// The state every transport shares.
@@ -164,7 +166,7 @@ pub struct AppState {
     pub limits: UploadLimits,
     pub metrics: Arc<Metrics>,
     pub server: ServerOptions,
-    /// The system shared-memory regions clients registered.
+    /// The shared-memory regions clients registered (system and CUDA).
     pub shared_memory: SharedMemory,
 }
 
@@ -188,7 +190,7 @@ impl AppState {
             drain: Default::default(),
             limits: settings.limits,
             metrics,
-            shared_memory: SharedMemory::new(settings.server.allow_client_shm),
+            shared_memory: SharedMemory::new(settings.server.allow_client_shm, settings.cuda_ipc),
             server: settings.server,
         }
     }

@@ -4,7 +4,6 @@
 //! visiongate's own carry the `visiongate_` prefix. Each gateway owns its registry.
 mod latency;
 mod nvml;
-#[cfg(feature = "torch")]
 pub(crate) use nvml::cast;
 mod system;
 

@@ -10,6 +10,7 @@
 mod common;
 
 mod batching_keeps_each_request_its_own_rows;
+mod cuda_shared_memory_serves_the_ensemble;
 mod disconnecting_client_does_not_fail_its_batch;
 mod engine_faults_fail_only_their_batch;
 #[cfg(feature = "torch")]

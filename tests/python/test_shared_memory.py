@@ -8,10 +8,14 @@ and names the regions in its requests instead of sending tensors.
 - the preprocessor writes its FP32 [N, 3, 224, 224] output to a region and the classifier
   reads its input from that same region: the same logits as sending the tensor;
 - regions are listed, bounds and sizes are checked (errors name the region or output), the
-  server lets go of each object when it is unregistered, and CUDA shared memory answers
-  UNIMPLEMENTED; a server started without `--allow-client-shm=true` registers nothing.
+  server lets go of each object when it is unregistered; a server started without
+  `--allow-client-shm=true` registers nothing;
+- CUDA shared memory, on this host without GPUs: tritonclient's register call is refused with
+  Triton's "GPUs not supported" (the round trip through GPU memory is the GPU kit's, and the
+  server's side of it is unit-tested with GPU memory kept in host memory).
 """
 
+import base64
 import os
 import re
 from pathlib import Path
@@ -248,12 +252,44 @@ def test_regions_left_registered_are_closed_at_exit(photos):
     assert "shared-memory regions closed" in log and "regions=1" in log, log[-2000:]
 
 
-def test_cuda_shared_memory_is_unimplemented(shm_server):
-    _, g = client("grpc", shm_server)
-    e = error_of(lambda: g.get_cuda_shared_memory_status())
-    assert e.status() == "StatusCode.UNIMPLEMENTED" and "system shared memory" in e.message()
-    r = requests.get(shm_server.base + "/v2/cudasharedmemory/status", timeout=10)
-    assert r.status_code == 501 and "system shared memory" in r.json()["error"]
+@pytest.mark.parametrize("kind", BOTH)
+def test_cuda_shared_memory_without_gpus_says_so(shm_server, kind):
+    _, c = client(kind, shm_server)
+    # What tritonclient.utils.cuda_shared_memory.get_raw_handle gives: a CUDA IPC handle's
+    # 64 bytes in base64 (the gRPC client sends them decoded).
+    handle = base64.b64encode(bytes(range(64)))
+    e = error_of(lambda: c.register_cuda_shared_memory("gpu", handle, 0, 64))
+    assert e.message() == "failed to register CUDA shared memory region: 'gpu', GPUs not supported"
+    assert e.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+    if kind == "http":
+        assert c.get_cuda_shared_memory_status() == []
+    else:
+        assert c.get_cuda_shared_memory_status(as_json=True) == {}
+    c.unregister_cuda_shared_memory("gpu")
+    c.unregister_cuda_shared_memory()
+    # A system region does not answer for a CUDA one, though they share names.
+    key = f"/vg-test-cuda-{kind}-{os.getpid()}"
+    h = shm.create_shared_memory_region("both", key, 64)
+    try:
+        c.register_system_shared_memory("both", key, 64)
+        e = error_of(lambda: c.get_cuda_shared_memory_status("both"))
+        assert "registered as system shared memory, not CUDA" in e.message(), e.message()
+        c.unregister_cuda_shared_memory("both")
+        assert "both" in status(Regions(c, kind))
+        c.unregister_system_shared_memory("both")
+    finally:
+        shm.destroy_shared_memory_region(h)
+
+
+def test_cuda_register_body_is_checked(shm_server):
+    url = shm_server.base + "/v2/cudasharedmemory/region/r/register"
+    for body, needle in [
+        ({"raw_handle": {"b64": "%%%"}, "device_id": 0, "byte_size": 8}, "valid base64"),
+        ({"device_id": 0, "byte_size": 8}, "raw_handle"),
+        ({"raw_handle": {"b64": ""}, "device_id": 0}, "byte_size"),
+    ]:
+        r = requests.post(url, json=body, timeout=10)
+        assert r.status_code == 400 and needle in r.json()["error"], (body, r.text)
 
 
 @pytest.mark.parametrize("kind", BOTH)

@@ -282,11 +282,10 @@ def test_grpc_stream_infer_answers_each_request(server, photos, predicted):
         assert result.as_numpy("output__0").argmax() == predicted[i]
 
 
-def test_grpc_cuda_shared_memory_trace_and_log_are_unimplemented_with_a_message(server):
-    # System shared memory is served (test_shared_memory.py).
+def test_grpc_trace_and_log_are_unimplemented_with_a_message(server):
+    # Shared memory, system and CUDA, is served (test_shared_memory.py).
     c = grpcclient.InferenceServerClient(server.grpc_url)
     for call, needle in [
-        (c.get_cuda_shared_memory_status, "CUDA shared memory"),
         (c.get_trace_settings, "metrics"),
         (c.get_log_settings, "RUST_LOG"),
     ]:
