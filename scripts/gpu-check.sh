@@ -13,7 +13,7 @@
 #     visiongate_decode_images_total) and the GPU utilisation nvidia-smi samples meanwhile;
 #   - the anchor: torchvision's batched decode_jpeg(..., device="cuda") on the same photos,
 #     from the host's own Python;
-#   - CUDA shared memory with tritonclient's utilities (the kit's wheels/): the ensemble
+#   - CUDA shared memory with tritonclient's utilities (the kit's client.tar.xz): the ensemble
 #     reads its images from GPU memory the client shares by CUDA IPC handle and writes its
 #     scores to another such region, over gRPC (tritonclient) and HTTP (its JSON), and the
 #     scores are compared with the same request's without shared memory.
@@ -74,8 +74,9 @@ cat > "$helper" <<'EOF'
 import json, socket, sys, time, urllib.request, uuid
 from pathlib import Path
 
-def photos(folder):
-    return sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+def photos(folder):  # the registry set stays out
+    return sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png")
+                  and "registry" not in p.relative_to(folder).parts)
 
 def predict(url, files, top_k):
     boundary = uuid.uuid4().hex
@@ -153,13 +154,13 @@ elif cmd == "anchor":  # PHOTOS N: torchvision's batched GPU decode of N images,
               f"{n / best:.0f} images/s (best of 3, one batch)")
 elif cmd == "cudashm":  # HTTP_URL GRPC_URL PHOTOS WHEELS [cpu]: the ensemble through CUDA shm
     import base64, urllib.error
-    http_url, grpc_url, folder, wheels = args[:4]
+    http_url, grpc_url, folder, client = args[:4]
     def post(path, body):
         req = urllib.request.Request(http_url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=300) as r:
             return json.load(r) if r.length else None
-    if args[4:] == ["cpu"]:  # no GPU (and the wheels are for the GPU host's Python)
+    if args[4:] == ["cpu"]:  # no GPU (and the client is for the GPU host's Python)
         try:
             post("/v2/cudasharedmemory/region/in/register",
                  {"raw_handle": {"b64": base64.b64encode(bytes(64)).decode()}, "device_id": 0,
@@ -170,7 +171,7 @@ elif cmd == "cudashm":  # HTTP_URL GRPC_URL PHOTOS WHEELS [cpu]: the ensemble th
             assert e.code == 400 and "GPUs not supported" in error, (e.code, error)
             print(f"without a GPU: {e.code} {error}")
         sys.exit(0)
-    sys.path.insert(0, wheels)
+    sys.path.insert(0, client)
     import numpy as np
     import tritonclient.grpc as grpcclient
     import tritonclient.utils.cuda_shared_memory as cudashm
@@ -289,7 +290,7 @@ serve() {
 }
 
 say ""
-say "## Fidelity: the kit's $(find "$KIT/photos" -name '*.jpg' | wc -l) photos, every class's probability"
+say "## Fidelity: the kit's $(find "$KIT/photos/" -path '*/registry' -prune -o -name '*.jpg' -print | wc -l) photos, every class's probability"
 serve cpu CUDA_VISIBLE_DEVICES= -- --decode-threads 4
 "$PY" "$helper" classify "$url" "$KIT/photos" "$out/cpu.json"
 stop_server
@@ -315,7 +316,7 @@ for set in small all; do
   folder=$KIT/photos
   [[ $set == small ]] && folder=$KIT/photos/small
   say ""
-  say "## Throughput: one /predict request of $images images, $set photos ($(find "$folder" -name '*.jpg' | wc -l) over and over)"
+  say "## Throughput: one /predict request of $images images, $set photos ($(find "$folder/" -path '*/registry' -prune -o -name '*.jpg' -print | wc -l) over and over)"
   for run in "GPU 4" "CPU 4" "CPU 8" "CPU $all_but_one"; do
     read -r where threads <<< "$run"
     gpu_decode=false
@@ -342,20 +343,13 @@ for set in small all; do
   fi
 done
 say ""
-say "## CUDA shared memory (tritonclient $(cd "$KIT/wheels" && ls tritonclient-*.whl | cut -d- -f2))"
-# tritonclient's gRPC client and CUDA utilities with what they import, for Python 3.12.
-wheels=$out/wheels
-"$PY" - "$KIT/wheels" "$wheels" <<'WHEELS'
-import sys, zipfile
-from pathlib import Path
-src, dest = sys.argv[1:]
-for wheel in Path(src).glob("*.whl"):
-    zipfile.ZipFile(wheel).extractall(dest)
-WHEELS
+say "## CUDA shared memory (tritonclient's utilities, for Python 3.12)"
+client=$out/client
+"$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$KIT/client.tar.xz" "$client"
 serve cudashm "${gpu_env[@]}" -- --allow-client-shm=true --decode-threads 4
 cpu_flag=()
 ((cpu_only)) && cpu_flag=(cpu)
-if ! "$PY" "$helper" cudashm "$url" "127.0.0.1:$grpc" "$KIT/photos/small" "$wheels" "${cpu_flag[@]}" \
+if ! "$PY" "$helper" cudashm "$url" "127.0.0.1:$grpc" "$KIT/photos/small" "$client" "${cpu_flag[@]}" \
   > "$out/cudashm.txt" 2>&1; then
   sed 's/^/  /' "$out/cudashm.txt" | tee -a "$report"
   echo "gpu-check: the CUDA shared memory check failed" >&2

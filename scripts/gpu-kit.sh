@@ -9,10 +9,12 @@
 #   lib/libnvjpeg.so.13.xz   PyPI's nvidia-nvjpeg (scripts/requirements.txt), for JPEG
 #                  decode on the GPU, compressed likewise
 #   models/        the bundled repository, model.pt exported by torch 2.11.0
-#   photos/        the test photos (tests/fixtures/photos, with their sources)
-#   wheels/        tritonclient's gRPC client and CUDA shared-memory utilities, with what
+#   photos         a link to the checkout's test photos (tests/fixtures/photos, with their
+#                  sources; the registry set is left out), which travel with the checkout
+#   client.tar.xz  tritonclient's gRPC client and CUDA shared-memory utilities, with what
 #                  they import that the host lacks (cuda-bindings, grpcio, ...), for Python
-#                  3.12: the CUDA shared-memory check
+#                  3.12, unpacked from their wheels without sources and stripped: the CUDA
+#                  shared-memory check
 #   gpu-check.sh   the check to run there (scripts/gpu-check.sh)
 # The main build stays on tch 0.26 / torch 2.13.0. Then the kit's CPU mode runs here (the
 # same binary on torch 2.11's CPU path), so the kit cannot rot unnoticed.
@@ -25,6 +27,7 @@ KIT_TORCH=2.11.0
 KIT_TCH=0.24
 KIT_HOME=$VG_HOME/gpu-kit
 KIT=$VG_ROOT/gpu-kit
+# What travels to a GPU host: the checkout's tracked files and the kit, 64 MiB together.
 LIMIT=$((64 << 20))
 say() { printf '\033[1mgpu-kit:\033[0m %s\n' "$*"; }
 
@@ -81,8 +84,15 @@ if [[ $(cat "$wheels/.pins" 2>/dev/null) != "${client[*]}" ]]; then
   echo "${client[*]}" > "$wheels/.pins"
 fi
 rm -rf "$KIT"
-mkdir -p "$KIT/models" "$KIT/photos" "$KIT/lib" "$KIT/wheels"
-cp "$wheels"/*.whl "$KIT/wheels/"
+mkdir -p "$KIT/models" "$KIT/lib"
+client_site=$KIT_HOME/client
+rm -rf "$client_site" && mkdir -p "$client_site"
+for wheel in "$wheels"/*.whl; do
+  "$py" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$wheel" "$client_site"
+done
+find "$client_site" \( -name '*.c' -o -name '*.cpp' -o -name '*.h' -o -name '*.pyx' -o -name '*.pxd' -o -name '*.pxi' \) -delete
+find "$client_site" -name '*.so' -exec strip --strip-unneeded {} +
+tar -C "$client_site" -c . | xz -T0 -9 > "$KIT/client.tar.xz"
 # xz: the kit travels within 64 MiB (gpu-check.sh unpacks with Python's lzma).
 strip --strip-all -o "$KIT_HOME/visiongate" "$KIT_HOME/target/release/visiongate"
 xz -T0 -6 -c "$KIT_HOME/visiongate" > "$KIT/visiongate.xz"
@@ -92,16 +102,18 @@ tar -C models --exclude='model.pt' --exclude='model.onnx' --exclude='model.pt2' 
   | tar -C "$KIT/models" -x
 "$py" scripts/export_model.py --repo "$KIT/models" --formats model.pt > /dev/null
 rm -f "$KIT"/models/*/*/*.stamp
-# The 40 test photos (the registry set stays home: the kit travels within 64 MiB).
-tar -C tests/fixtures/photos --exclude=registry -c . | tar -C "$KIT/photos" -x
+# The 40 test photos: the checkout's, which travel with it (gpu-check.sh leaves the registry
+# set out).
+ln -s ../tests/fixtures/photos "$KIT/photos"
 cp scripts/gpu-check.sh "$KIT/gpu-check.sh"
 cp scripts/fairness.py "$KIT/fairness.py"
 cat > "$KIT/BUILD" <<EOF
 visiongate $(git describe --always --dirty 2>/dev/null || echo unknown), torch $KIT_TORCH, tch $KIT_TCH, built $(date -u +%Y-%m-%dT%H:%MZ)
 EOF
 size=$(du -sb "$KIT" | cut -f1)
-say "gpu-kit/: $((size / 1024 / 1024)) MiB ($(du -h "$KIT/visiongate.xz" | cut -f1) binary, $(du -h "$KIT/lib/libnvjpeg.so.13.xz" | cut -f1) nvJPEG, $(du -h "$KIT/models/classifier/1/model.pt" | cut -f1) model, $(du -sh "$KIT/photos" | cut -f1) photos, $(du -sh "$KIT/wheels" | cut -f1) client wheels)"
-((size < LIMIT)) || { echo "gpu-kit: $size bytes, over the 64 MiB a GPU host takes along" >&2; exit 1; }
+tracked=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
+say "gpu-kit/: $((size / 1024 / 1024)) MiB ($(du -h "$KIT/visiongate.xz" | cut -f1) binary, $(du -h "$KIT/lib/libnvjpeg.so.13.xz" | cut -f1) nvJPEG, $(du -h "$KIT/models/classifier/1/model.pt" | cut -f1) model, $(du -h "$KIT/client.tar.xz" | cut -f1) client), with the checkout's $((tracked / 1024 / 1024)) MiB"
+((size + tracked < LIMIT)) || { echo "gpu-kit: $size bytes and the checkout's $tracked, over the 64 MiB a GPU host takes along" >&2; exit 1; }
 
 # 4. Its CPU mode, here.
 if [[ ${1:-} != --no-check ]]; then
