@@ -971,6 +971,26 @@ mod tests {
     }
 
     #[test]
+    fn a_client_filling_the_table_is_refused_while_its_regions_still_serve() {
+        let gpus = Arc::new(FakeCudaIpc::new(1));
+        let (handle, memory) = gpus.share(0, 16);
+        memory.lock().unwrap()[..4].copy_from_slice(&[1, 2, 3, 4]);
+        let shm = SharedMemory::new(true, gpus);
+        for i in 0..MAX_REGIONS {
+            shm.register_cuda(&format!("r{i}"), &handle, 0, 16).unwrap();
+        }
+        let e = shm.register_cuda("one-more", &handle, 0, 16).unwrap_err();
+        assert!(matches!(e, ShmError::TooMany), "{e}");
+        let object = Object::new("full", 16);
+        let e = shm.register("sys", &object.key, 0, 16).unwrap_err();
+        assert!(matches!(e, ShmError::TooMany), "{e}");
+        let place = shm.place(&at("r0", 0, 4)).unwrap();
+        assert_eq!(&place.read("in", 1 << 20).unwrap()[..], &[1, 2, 3, 4]);
+        shm.unregister(ShmKind::Cuda, "r0").unwrap();
+        shm.register("sys", &object.key, 0, 16).unwrap();
+    }
+
+    #[test]
     fn without_gpus_or_the_flag_no_cuda_region_is_registered() {
         let shm = SharedMemory::new(true, Arc::new(NoGpus));
         let e = shm.register_cuda("r", &[0; 64], 0, 8).unwrap_err();
