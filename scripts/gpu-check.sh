@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
 # visiongate's check on a GPU host, run from the folder `make gpu-kit` packs:
-#   bash gpu-check.sh [--cpu] [--out DIR] [--images N]
+#   bash gpu-check.sh [--cpu] [--out DIR] [--images N] [--rounds R] [--sections LIST] [--runs REGEX]
+# REGEX: only the fidelity and throughput runs whose names match ("tf32 on", "GPU 4", ...).
+# R: the throughput requests each server answers one after another (default 3; the first
+# can carry a GPU's one-off kernel compiles).
+# LIST: which parts, comma-separated (default all: fidelity,cudashm,small,all,pt2); a later
+# run with the same DIR reuses the fidelity section's CPU run.
 # The binary loads the host's libtorch: the lib directory of the PyTorch that `python3`
 # (or $PYTHON) imports goes first on LD_LIBRARY_PATH. It reports:
 #   - the device of each classifier instance;
 #   - top-1 agreement and the largest difference of any class probability between the GPU
 #     path and the CPU path (CUDA hidden) on the kit's photos: with the JPEGs decoded on
 #     the CPU (TF32 off and on) and on the GPU (nvJPEG);
-#   - the throughput of one /predict request of N images (default 1000) of the small photos
-#     and of all of them (mixed sizes): decoded on the GPU, and on the CPU with 4, 8 and
-#     all-but-one decode threads, with where the images were decoded (the server's
-#     visiongate_decode_images_total) and the GPU utilisation nvidia-smi samples meanwhile;
+#   - the throughput of /predict requests of N images (default 1000; R of them one after
+#     another on each server) of the small photos and of all of them (mixed sizes):
+#     decoded on the GPU (with --gpu-decode=true), and on the CPU with 4, 8 and
+#     all-but-one decode threads, with where the images were decoded and how long that
+#     took per path (the server's visiongate_decode_images_total and
+#     visiongate_decode_duration_us_total) and the GPU utilisation nvidia-smi samples
+#     meanwhile;
 #   - the anchor: torchvision's batched decode_jpeg(..., device="cuda") on the same photos,
 #     from the host's own Python;
 #   - CUDA shared memory with tritonclient's utilities (the kit's client.tar.xz): the ensemble
 #     reads its images from GPU memory the client shares by CUDA IPC handle and writes its
 #     scores to another such region, over gRPC (tritonclient) and HTTP (its JSON), and the
-#     scores are compared with the same request's without shared memory.
+#     scores are compared with the same request's without shared memory;
+#   - the classifier as a .pt2 package: the kit's TorchScript converted by torch (the host's
+#     release), compiled by AOTInductor for the GPU (the CPU with --cpu), its forward pass
+#     timed against TorchScript's there, then served by the kit's binary (fidelity against
+#     the CPU path, the small photos' throughput).
+# A failed CUDA shared-memory or .pt2 section is reported and the rest still runs; the
+# script then exits 1.
 # --cpu runs all of it with CUDA hidden (200 images; no anchor), so the kit is tested on
 # machines without a GPU: the "GPU" runs must then agree with the CPU run exactly in top-1
 # and decode every image on the CPU, and registering CUDA shared memory must be refused
@@ -29,12 +43,18 @@ PY=${PYTHON:-python3}
 cpu_only=0
 out=$PWD/gpu-check-out
 images=
+sections=fidelity,cudashm,small,all,pt2
+rounds=3
+runs=.
 while (($#)); do
   case $1 in
     --cpu) cpu_only=1 ;;
     --out) out=$2; shift ;;
     --images) images=$2; shift ;;
-    *) echo "usage: gpu-check.sh [--cpu] [--out DIR] [--images N]" >&2; exit 2 ;;
+    --sections) sections=$2; shift ;;
+    --rounds) rounds=$2; shift ;;
+    --runs) runs=$2; shift ;;
+    *) echo "usage: gpu-check.sh [--cpu] [--out DIR] [--images N] [--rounds R] [--sections LIST] [--runs REGEX]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -59,7 +79,7 @@ UNPACK
 torch_lib=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
 export LD_LIBRARY_PATH=$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 say "# visiongate GPU check ($(cat "$KIT/BUILD" 2>/dev/null || echo 'unknown build'))"
-say "host: $(nproc) cores; torch $("$PY" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)') from $torch_lib"
+say "host: $(nproc) cores ($(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2- | xargs)); torch $("$PY" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)') from $torch_lib"
 if ((cpu_only)); then
   say "mode: --cpu (CUDA hidden in every run)"
   gpu_env=(CUDA_VISIBLE_DEVICES=)
@@ -115,24 +135,45 @@ elif cmd == "compare":  # REF.json OTHER.json [exact]: top-1 agreement, largest 
     print(f"top-1 agreement {same}/{len(ref)}, largest probability difference {diff:.3g}")
     if len(args) > 2 and same != len(ref):
         sys.exit("top-1 differs where it must not")
-elif cmd == "bulk":  # URL PHOTOS N: one request of N images (the photos over and over)
+elif cmd == "bulk":  # URL PHOTOS N [ROUNDS]: requests of N images (the photos over and over)
     url, folder, n = args[0], args[1], int(args[2])
+    rounds = int(args[3]) if len(args) > 3 else 1
     pool = [p.read_bytes() for p in photos(folder)]
     files = [(f"{i}.jpg", pool[i % len(pool)]) for i in range(n)]
-    answer, secs = predict(url, files, 1)
-    failed = [r for r in answer["results"] if "error" in r]
-    if failed:
-        sys.exit(f"{len(failed)} of {n} images failed, e.g. {failed[0]}")
-    print(f"{n} images in {secs:.2f} s: {n / secs:.1f} images/s")
-elif cmd == "decodes":  # METRICS_URL: images decoded per path (and reason)
+    rates = []
+    for _ in range(rounds):
+        answer, secs = predict(url, files, 1)
+        failed = [r for r in answer["results"] if "error" in r]
+        if failed:
+            sys.exit(f"{len(failed)} of {n} images failed, e.g. {failed[0]}")
+        rates.append(n / secs)
+    if rounds == 1:
+        print(f"{n} images in {n / rates[0]:.2f} s: {rates[0]:.1f} images/s")
+    else:
+        print(f"{n} images, {rounds} requests one after another: "
+              + ", ".join(f"{r:.0f}" for r in rates) + f" images/s (best {max(rates):.1f})")
+elif cmd == "decodes":  # METRICS_URL: images decoded per path (and reason), time per path
     text = urllib.request.urlopen(args[0], timeout=30).read().decode()
-    counts = {}
+    counts, micros = {}, {}
     for line in text.splitlines():
-        if line.startswith("visiongate_decode_images_total{"):
+        if line.startswith(("visiongate_decode_images_total{", "visiongate_decode_duration_us_total{")):
             labels, value = line.rsplit(" ", 1)
+            name, labels = labels.split("{", 1)
             if float(value) > 0:
-                counts[labels[len("visiongate_decode_images_total"):]] = int(float(value))
-    print("decoded: " + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"))
+                into = counts if name == "visiongate_decode_images_total" else micros
+                into["{" + labels] = int(float(value))
+    # the decode threads' time on the cpu path, the device's on the GPU paths
+    per_path = {}
+    for labels, n in counts.items():
+        path = labels.split('path="', 1)[1].split('"', 1)[0]
+        per_path[path] = per_path.get(path, 0) + n
+    times = []
+    for labels, us in sorted(micros.items()):
+        path = labels.split('path="', 1)[1].split('"', 1)[0]
+        if per_path.get(path):
+            times.append(f"{path} {us / 1e3:.0f} ms in all, {us / 1e3 / per_path[path]:.2f} ms an image")
+    print("decoded: " + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none")
+          + ("; decode time: " + ", ".join(times) if times else ""))
 elif cmd == "anchor":  # PHOTOS N: torchvision's batched GPU decode of N images, and with resize
     import torch, torchvision
     from torchvision.io import decode_jpeg
@@ -234,6 +275,67 @@ elif cmd == "cudashm":  # HTTP_URL GRPC_URL PHOTOS WHEELS [cpu]: the ensemble th
     finally:
         cudashm.destroy_shared_memory_region(h_in)
         cudashm.destroy_shared_memory_region(h_out)
+elif cmd == "pt2":  # MODEL_PT REPO OUT_REPO DEVICE: the kit's repository with the model as a .pt2 package
+    # The kit carries no model source (its TorchScript is frozen), so torch's TorchScript
+    # converter gives the exported program; then as scripts/export_model.py: a dynamic batch,
+    # AOTInductor for this device, the metadata visiongate checks.
+    import shutil
+    import torch
+    from torch._export.converter import TS2EPConverter
+    model_pt, repo, dest, device = args
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ts = torch.jit.load(model_pt).eval()
+    start = time.perf_counter()
+    example = torch.zeros(2, 3, 224, 224)
+    with torch.no_grad():
+        converted = TS2EPConverter(ts, (example,)).convert().module()
+        # Its constants are plain tensor attributes, which Module.to leaves where they are.
+        for module in converted.modules():
+            for name, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor):
+                    setattr(module, name, value.to(device))
+        converted = converted.to(device)
+        batch = torch.export.Dim("batch", min=1, max=1024)
+        program = torch.export.export(converted, (example.to(device),), dynamic_shapes=({0: batch},))
+    configs = {"aot_inductor.metadata": {"torch_version": torch.__version__, "batch_min": "1",
+                                         "batch_max": "1024", "input_shape": "3,224,224"}}
+    # (on the CPU for this machine's own instruction set: the package runs where it is built)
+    shutil.copytree(repo, dest, ignore=shutil.ignore_patterns("model.pt", "*.stamp"))
+    package = str(Path(dest) / "classifier" / "1" / "model.pt2")
+    torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=configs)
+    print(f"exported and compiled for {device} with torch {torch.__version__} in "
+          f"{time.perf_counter() - start:.0f} s ({Path(package).stat().st_size / 1e6:.1f} MB)")
+    config = Path(dest) / "classifier" / "config.pbtxt"
+    config.write_text(config.read_text().replace('platform: "pytorch_libtorch"', 'platform: "torch_aoti"'))
+elif cmd == "pt2-forward":  # MODEL_PT PACKAGE DEVICE: its forward pass against TorchScript's
+    import torch
+    model_pt, package, device = args
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    loader = torch._C._aoti.AOTIModelPackageLoader(package, "model", False, 1, -1)
+    ts = torch.jit.load(model_pt, map_location=device).eval()
+    def best(work, rounds=10 if device == "cuda" else 2):
+        with torch.no_grad():
+            work(); work()
+            times = []
+            for _ in range(rounds):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                work()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+        return min(times)
+    for n in (1, 16, 64):
+        x = torch.rand(n, 3, 224, 224, device=device)
+        with torch.no_grad():
+            diff = (loader.run([x])[0] - ts(x)).abs().max().item()
+        t_pt2, t_ts = best(lambda: loader.run([x])), best(lambda: ts(x))
+        print(f"batch {n}: largest logit difference {diff:.3g} against TorchScript (TF32 off); "
+              f"forward {t_pt2 * 1e3:.2f} ms ({n / t_pt2:.0f} images/s) against TorchScript's "
+              f"{t_ts * 1e3:.2f} ms ({n / t_ts:.0f} images/s)")
 elif cmd == "utilisation":  # FILE: nvidia-smi samples "util, memory"
     rows = [l.split(",") for l in Path(args[0]).read_text().splitlines() if l.strip()]
     util = [float(r[0]) for r in rows]
@@ -263,7 +365,9 @@ stop_server() {
 }
 trap stop_server EXIT
 
-# serve NAME [ENV=VALUE...] -- [FLAG...]: starts the kit's server and waits until ready.
+# serve NAME [ENV=VALUE...] -- [FLAG...]: starts the kit's server on $models (the kit's
+# repository unless said otherwise) and waits until ready.
+models=$KIT/models
 serve() {
   local name=$1 envs=()
   shift
@@ -271,7 +375,7 @@ serve() {
   shift
   # nvJPEG from the kit (PyPI's nvidia-nvjpeg), for the GPU decode runs.
   envs+=("VISIONGATE_NVJPEG_LIBRARY=$bin/libnvjpeg.so.13")
-  env "${envs[@]}" "$bin/visiongate" --model-repository "$KIT/models" --host 127.0.0.1 \
+  env "${envs[@]}" "$bin/visiongate" --model-repository "$models" --host 127.0.0.1 \
     --http-port "$http" --grpc-port "$grpc" --metrics-port "$metrics" "$@" > "$out/$name.log" 2>&1 &
   pid=$!
   local start=$SECONDS
@@ -289,35 +393,79 @@ serve() {
   grep -E 'TF32|KIND_GPU' <<< "$log" | sed -E 's/^[^ ]+ +[A-Z]+ +/  /' | tee -a "$report" || true
 }
 
-say ""
-say "## Fidelity: the kit's $(find "$KIT/photos/" -path '*/registry' -prune -o -name '*.jpg' -print | wc -l) photos, every class's probability"
-serve cpu CUDA_VISIBLE_DEVICES= -- --decode-threads 4
-"$PY" "$helper" classify "$url" "$KIT/photos" "$out/cpu.json"
-stop_server
-exact=()
-((cpu_only)) && exact=(exact)
-for run in "tf32 off" "tf32 on" "tf32 off, GPU decode"; do
-  name=gpu-${run//[ ,]/-}
-  flags=(--tf32 "$(cut -d' ' -f2 <<< "${run%%,*}")" --decode-threads 4 --gpu-decode=false)
-  [[ $run == *"GPU decode"* ]] && flags[-1]=--gpu-decode=true
-  serve "$name" "${gpu_env[@]}" -- "${flags[@]}"
-  "$PY" "$helper" classify "$url" "$KIT/photos" "$out/$name.json"
-  decodes=$("$PY" "$helper" decodes "http://127.0.0.1:$metrics/metrics")
-  stop_server
-  say "  GPU ($run) against CPU: $("$PY" "$helper" compare "$out/cpu.json" "$out/$name.json" "${exact[@]}"); $decodes"
-  if ((cpu_only)) && grep -q 'path="gpu' <<< "$decodes"; then
-    echo "gpu-check: images were decoded on a GPU with CUDA hidden" >&2
-    exit 1
-  fi
-done
-
+device=cuda
+((cpu_only)) && device=cpu
+wants() { [[ ",$sections," == *",$1,"* ]]; }
+failed=()
 all_but_one=$(($(nproc) > 1 ? $(nproc) - 1 : 1))
+# The .pt2 compile (CPU work, minutes) runs beside the fidelity and shared-memory sections,
+# which time nothing, bounded by PT2_TIMEOUT seconds; on a CPU-only machine it runs alone.
+pt2_job=
+pt2_compile() {
+  env "${gpu_env[@]}" timeout "${PT2_TIMEOUT:-400}" "$PY" "$helper" pt2 \
+    "$KIT/models/classifier/1/model.pt" "$KIT/models" "$out/pt2-repo" "$device" > "$out/pt2.txt" 2>&1
+}
+if wants pt2; then
+  rm -rf "$out/pt2-repo"
+  if ((!cpu_only)); then
+    pt2_compile &
+    pt2_job=$!
+  fi
+fi
+
+if wants fidelity; then
+  say ""
+  say "## Fidelity: the kit's $(find "$KIT/photos/" -path '*/registry' -prune -o -name '*.jpg' -print | wc -l) photos, every class's probability"
+  serve cpu CUDA_VISIBLE_DEVICES= -- --decode-threads 4
+  "$PY" "$helper" classify "$url" "$KIT/photos" "$out/cpu.json"
+  stop_server
+  exact=()
+  ((cpu_only)) && exact=(exact)
+  for run in "tf32 off" "tf32 on" "tf32 off, GPU decode"; do
+    [[ $run =~ $runs ]] || continue
+    name=gpu-${run//[ ,]/-}
+    flags=(--tf32 "$(cut -d' ' -f2 <<< "${run%%,*}")" --decode-threads 4 --gpu-decode=false)
+    [[ $run == *"GPU decode"* ]] && flags[-1]=--gpu-decode=true
+    serve "$name" "${gpu_env[@]}" -- "${flags[@]}"
+    "$PY" "$helper" classify "$url" "$KIT/photos" "$out/$name.json"
+    decodes=$("$PY" "$helper" decodes "http://127.0.0.1:$metrics/metrics")
+    stop_server
+    say "  GPU ($run) against CPU: $("$PY" "$helper" compare "$out/cpu.json" "$out/$name.json" "${exact[@]}"); $decodes"
+    if ((cpu_only)) && grep -q 'path="gpu' <<< "$decodes"; then
+      echo "gpu-check: images were decoded on a GPU with CUDA hidden" >&2
+      exit 1
+    fi
+  done
+fi
+
+if wants cudashm; then
+  say ""
+  say "## CUDA shared memory (tritonclient's utilities, for Python 3.12)"
+  client=$out/client
+  "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$KIT/client.tar.xz" "$client"
+  serve cudashm "${gpu_env[@]}" -- --allow-client-shm=true --decode-threads 4
+  cpu_flag=()
+  ((cpu_only)) && cpu_flag=(cpu)
+  "$PY" "$helper" cudashm "$url" "127.0.0.1:$grpc" "$KIT/photos/small" "$client" "${cpu_flag[@]}" \
+    > "$out/cudashm.txt" 2>&1 || failed+=("CUDA shared memory")
+  sed 's/^/  /' "$out/cudashm.txt" | tee -a "$report"
+  stop_server
+fi
+
+# The .pt2 compile is waited for before anything is timed.
+pt2_ok=0
+if wants pt2; then
+  if [[ -n $pt2_job ]]; then wait "$pt2_job" && pt2_ok=1; else pt2_compile && pt2_ok=1; fi
+fi
+
 for set in small all; do
+  wants "$set" || continue
   folder=$KIT/photos
   [[ $set == small ]] && folder=$KIT/photos/small
   say ""
   say "## Throughput: one /predict request of $images images, $set photos ($(find "$folder/" -path '*/registry' -prune -o -name '*.jpg' -print | wc -l) over and over)"
   for run in "GPU 4" "CPU 4" "CPU 8" "CPU $all_but_one"; do
+    [[ $run =~ $runs ]] || continue
     read -r where threads <<< "$run"
     gpu_decode=false
     [[ $where == GPU ]] && gpu_decode=true
@@ -330,7 +478,7 @@ for set in small all; do
         > "$out/nvidia-smi-$name.csv" &
       sampler=$!
     fi
-    result=$("$PY" "$helper" bulk "$url" "$folder" "$images")
+    result=$("$PY" "$helper" bulk "$url" "$folder" "$images" "$rounds")
     decodes=$("$PY" "$helper" decodes "http://127.0.0.1:$metrics/metrics")
     util="GPU utilisation: not sampled (no GPU)"
     sampled=$sampler
@@ -338,24 +486,39 @@ for set in small all; do
     [[ -n $sampled ]] && util=$("$PY" "$helper" utilisation "$out/nvidia-smi-$name.csv")
     say "  $where decode, $threads decode threads: $result; $util; $decodes"
   done
-  if ((!cpu_only)); then
+  if ((!cpu_only)) && [[ anchor =~ $runs ]]; then
     say "  anchor: $("$PY" "$helper" anchor "$folder" "$images" 2>&1 | tr '\n' ';')"
   fi
 done
+
+if wants pt2; then
+  say ""
+  say "## The classifier as a .pt2 package (AOTInductor) compiled here for $device, served on it"
+  if ((pt2_ok)); then
+    sed 's/^/  /' "$out/pt2.txt" | tee -a "$report"
+    env "${gpu_env[@]}" "$PY" "$helper" pt2-forward "$KIT/models/classifier/1/model.pt" \
+      "$out/pt2-repo/classifier/1/model.pt2" "$device" 2>&1 | sed 's/^/  /' | tee -a "$report"
+    models=$out/pt2-repo
+    serve pt2 "${gpu_env[@]}" -- --decode-threads 4 --gpu-decode=false
+    "$PY" "$helper" classify "$url" "$KIT/photos" "$out/pt2.json"
+    against=
+    [[ -f $out/cpu.json ]] && against=$("$PY" "$helper" compare "$out/cpu.json" "$out/pt2.json")
+    stop_server
+    say "  .pt2 on $device against the CPU path: ${against:-no CPU run to compare with (fidelity not run)}"
+    serve pt2-bulk "${gpu_env[@]}" -- --decode-threads "$all_but_one" --gpu-decode=false
+    "$PY" "$helper" bulk "$url" "$KIT/photos/small" 20 > /dev/null
+    say "  .pt2, CPU decode, $all_but_one decode threads, small photos: $("$PY" "$helper" bulk "$url" "$KIT/photos/small" "$images" "$rounds")"
+    stop_server
+    models=$KIT/models
+  else
+    tail -20 "$out/pt2.txt" | sed 's/^/  /' | tee -a "$report"
+    failed+=(".pt2 package")
+  fi
+fi
+
 say ""
-say "## CUDA shared memory (tritonclient's utilities, for Python 3.12)"
-client=$out/client
-"$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$KIT/client.tar.xz" "$client"
-serve cudashm "${gpu_env[@]}" -- --allow-client-shm=true --decode-threads 4
-cpu_flag=()
-((cpu_only)) && cpu_flag=(cpu)
-if ! "$PY" "$helper" cudashm "$url" "127.0.0.1:$grpc" "$KIT/photos/small" "$client" "${cpu_flag[@]}" \
-  > "$out/cudashm.txt" 2>&1; then
-  sed 's/^/  /' "$out/cudashm.txt" | tee -a "$report"
-  echo "gpu-check: the CUDA shared memory check failed" >&2
+if ((${#failed[@]})); then
+  say "gpu-check: FAILED: ${failed[*]} (report: $report)"
   exit 1
 fi
-sed 's/^/  /' "$out/cudashm.txt" | tee -a "$report"
-stop_server
-say ""
 say "gpu-check: done (report: $report)"

@@ -296,9 +296,10 @@ pub struct Config {
 
     /// Decode JPEGs on the GPU (nvJPEG: the hardware decoder where the GPU has one, its
     /// CUDA decoder elsewhere) for image ensembles whose classifier runs there; progressive,
-    /// CMYK, 4:1:1, 12-bit and damaged JPEGs and other formats stay on the CPU. `false`
-    /// decodes everything on the CPU. No effect without a GPU.
-    #[arg(long, env = "VISIONGATE_GPU_DECODE", default_value_t = true, action = clap::ArgAction::Set)]
+    /// CMYK, 4:1:1, 12-bit and damaged JPEGs, JPEGs the CPU path decodes at a DCT scale and
+    /// other formats stay on the CPU. Off by default: on an H200 with 16 cores it was not
+    /// faster than the CPU's decode threads (docs/performance.md). No effect without a GPU.
+    #[arg(long, env = "VISIONGATE_GPU_DECODE", default_value_t = false, action = clap::ArgAction::Set)]
     pub gpu_decode: bool,
 
     /// nvJPEG's shared library (PyPI's nvidia-nvjpeg wheel has it as

@@ -51,7 +51,6 @@ pub struct Library {
     params_create: unsafe extern "C" fn(Handle, *mut Params) -> Status,
     params_destroy: unsafe extern "C" fn(Params) -> Status,
     params_output_format: unsafe extern "C" fn(Params, c_int) -> Status,
-    params_scale: unsafe extern "C" fn(Params, c_int) -> Status,
     batched_supported_ex: unsafe extern "C" fn(Handle, JpegStream, Params, *mut c_int) -> Status,
     batched_initialize: unsafe extern "C" fn(Handle, State, c_int, c_int, c_int) -> Status,
     batched: unsafe extern "C" fn(
@@ -127,7 +126,6 @@ fn open(path: Option<&Path>) -> Result<Library, String> {
             params_create: cast(sym(c"nvjpegDecodeParamsCreate")?),
             params_destroy: cast(sym(c"nvjpegDecodeParamsDestroy")?),
             params_output_format: cast(sym(c"nvjpegDecodeParamsSetOutputFormat")?),
-            params_scale: cast(sym(c"nvjpegDecodeParamsSetScaleFactor")?),
             batched_supported_ex: cast(sym(c"nvjpegDecodeBatchedSupportedEx")?),
             batched_initialize: cast(sym(c"nvjpegDecodeBatchedInitialize")?),
             batched: cast(sym(c"nvjpegDecodeBatched")?),
@@ -203,12 +201,13 @@ impl Backend {
     }
 }
 
-/// One image to decode: its bytes, the DCT scale denominator (1, 2, 4, 8; only the
-/// hardware decoder scales) and where its planar RGB goes on the device: three planes of
-/// `width` x `height` bytes, one after another, at `out`.
+/// One image to decode at full size: its bytes and where its planar RGB goes on the
+/// device: three planes of `width` x `height` bytes, one after another, at `out`.
+/// (nvJPEG's hardware decoder can also scale by 1/2, 1/4 and 1/8; asked to, it gave other
+/// pixels than libjpeg's DCT scaling on an H200, so it is not asked: see
+/// `CpuReason::DctScale`.)
 pub struct Job<'a> {
     pub bytes: &'a [u8],
-    pub scale: u32,
     pub out: *mut u8,
     pub width: u32,
     pub height: u32,
@@ -285,12 +284,6 @@ impl Decoder {
         self.backend
     }
 
-    /// Whether it decodes at 1/2, 1/4 or 1/8 scale (the hardware decoder only): else each
-    /// image is decoded at full size.
-    pub fn scales(&self) -> bool {
-        self.backend == Backend::Hardware
-    }
-
     /// The stream has finished all decode work queued so far (the caller waited for it).
     pub fn settled(&mut self) {
         self.in_flight = false;
@@ -351,19 +344,9 @@ impl Decoder {
         if self.backend != Backend::Hardware {
             return Ok(());
         }
-        let scale = match job.scale {
-            8 => 3,
-            4 => 2,
-            2 => 1,
-            _ => 0,
-        };
         let mut unsupported: c_int = 1;
         // SAFETY: live handle, parameters and stream object; the bytes outlive the call.
         unsafe {
-            check(
-                (lib.params_scale)(self.params[i], scale),
-                "nvjpegDecodeParamsSetScaleFactor",
-            )?;
             check(
                 (lib.stream_parse_header)(
                     self.handle,

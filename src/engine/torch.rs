@@ -476,14 +476,6 @@ impl TorchEngine {
             // The previous batch's work is done (its outputs were waited for, or `drain`).
             gpu.decoder.settled();
             gpu.events[0].record(index).map_err(torch)?;
-            let scales = gpu.decoder.scales();
-            let decoded = |jpeg: &JpegRow| {
-                if scales {
-                    jpeg.scaled()
-                } else {
-                    (jpeg.width, jpeg.height)
-                }
-            };
             // Each image's planes (3 bytes a pixel), held until its group is placed, and
             // its float copy while it is resized (12 bytes a pixel, one image at a time).
             let planes = |(w, h): (u32, u32)| 3 * u64::from(w) * u64::from(h);
@@ -493,7 +485,7 @@ impl TorchEngine {
                 let mut group = Vec::new();
                 let (mut held, mut largest) = (0, 0);
                 while let Some(item) = jpegs.get(next) {
-                    let (w, h) = decoded(&item.1);
+                    let (w, h) = (item.1.width, item.1.height);
                     let need = planes((w, h));
                     if need * 5 > gpu.memory || !resizable((w, h), (height, width)) {
                         on_cpu.push(item);
@@ -521,7 +513,6 @@ impl TorchEngine {
                     .iter()
                     .map(|((_, jpeg), out, w, h)| nvjpeg::Job {
                         bytes: &jpeg.bytes,
-                        scale: if scales { jpeg.scale } else { 1 },
                         out: out.data_ptr() as *mut u8,
                         width: *w,
                         height: *h,
@@ -699,9 +690,10 @@ mod tests {
 
     #[test]
     fn device_rows_of_the_test_photos_are_the_cpu_paths_within_one_level() {
-        // Each photo as a GPU-decoded JPEG row would be made: decoded at the CPU path's DCT
-        // scale (here by libjpeg-turbo, there by nvJPEG), resized and oriented by libtorch
-        // (here on the CPU, there on CUDA), against the CPU path's row.
+        // Each photo as a GPU-decoded JPEG row would be made: decoded at full size (here by
+        // libjpeg-turbo, there by nvJPEG), resized and oriented by libtorch (here on the
+        // CPU, there on CUDA), against the CPU path's row. The photos the CPU path decodes
+        // at a DCT scale stay on the CPU path.
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/photos");
         let (budget, metrics) = (
             std::sync::Arc::new(DecodeBudget::unlimited()),
@@ -715,7 +707,7 @@ mod tests {
                 max_pixels: 1 << 28,
                 filter,
             });
-            let (mut worst, mut total, mut values) = (0u8, 0u64, 0u64);
+            let (mut worst, mut total, mut values, mut on_gpu) = (0u8, 0u64, 0u64, 0);
             for size in ["small", "medium", "large"] {
                 for entry in std::fs::read_dir(dir.join(size)).unwrap() {
                     let bytes = std::fs::read(entry.unwrap().path()).unwrap();
@@ -726,14 +718,17 @@ mod tests {
                         &budget,
                         &metrics,
                     );
-                    let Ok(Row::Jpeg(jpeg)) = row else {
-                        panic!("a baseline photo goes to the GPU decoder: {row:?}");
+                    let header = turbojpeg::read_header(&bytes).unwrap();
+                    let scaled = preprocess::dct_scale(header.width, header.height, 448)
+                        != turbojpeg::ScalingFactor::ONE;
+                    let jpeg = match row {
+                        Ok(Row::Jpeg(jpeg)) if !scaled => jpeg,
+                        Ok(Row::Bytes(_)) if scaled => continue,
+                        _ => panic!("a baseline photo goes to the GPU decoder unless the CPU path scales it: {row:?}"),
                     };
+                    on_gpu += 1;
                     let mut d = turbojpeg::Decompressor::new().unwrap();
-                    let factor = turbojpeg::ScalingFactor::new(1, jpeg.scale as usize);
-                    d.set_scaling_factor(factor).unwrap();
-                    let (w, h) = jpeg.scaled();
-                    let (w, h) = (w as usize, h as usize);
+                    let (w, h) = (jpeg.width as usize, jpeg.height as usize);
                     let mut rgb = vec![0u8; w * h * 3];
                     let image = turbojpeg::Image {
                         pixels: rgb.as_mut_slice(),
@@ -757,6 +752,7 @@ mod tests {
                     }
                 }
             }
+            assert!(on_gpu >= 20, "{on_gpu} photos went to the GPU decoder");
             let mean = total as f64 / values as f64;
             eprintln!(
                 "{filter:?}: largest difference {worst}, mean {mean:.4} over {values} values"

@@ -65,6 +65,10 @@ pub enum CpuReason {
     Damaged,
     /// The preprocessor resizes with a filter the GPU path does not have (`area`).
     ResizeFilter,
+    /// The CPU path decodes it at 1/2, 1/4 or 1/8 scale (`dct_scaling_min_side`). nvJPEG's
+    /// hardware decoder, asked for those scales, gave other pixels on an H200 (docs/
+    /// performance.md), so such JPEGs are decoded here, where every path decodes them alike.
+    DctScale,
     /// The GPU decoder refused or failed it at decode time (its batch, then it alone).
     GpuFailed,
 }
@@ -84,11 +88,12 @@ impl CpuReason {
             CpuReason::MultiScan => "multi_scan",
             CpuReason::Damaged => "damaged",
             CpuReason::ResizeFilter => "resize_filter",
+            CpuReason::DctScale => "dct_scale",
             CpuReason::GpuFailed => "gpu_failed",
         }
     }
 
-    pub const ALL: [CpuReason; 13] = [
+    pub const ALL: [CpuReason; 14] = [
         CpuReason::NoGpuDecoder,
         CpuReason::NotJpeg,
         CpuReason::Progressive,
@@ -101,6 +106,7 @@ impl CpuReason {
         CpuReason::MultiScan,
         CpuReason::Damaged,
         CpuReason::ResizeFilter,
+        CpuReason::DctScale,
         CpuReason::GpuFailed,
     ];
 }

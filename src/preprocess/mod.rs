@@ -130,9 +130,6 @@ pub struct JpegRow {
     pub height: u32,
     /// EXIF orientation, 1..=8.
     pub orientation: u16,
-    /// The DCT down-scaling the CPU path would use (1, 2, 4 or 8), so that both paths
-    /// resize from the same size.
-    pub scale: u32,
     pub settings: Arc<PreprocessSettings>,
     budget: Arc<DecodeBudget>,
     metrics: Arc<Metrics>,
@@ -145,20 +142,11 @@ impl std::fmt::Debug for JpegRow {
             .field("width", &self.width)
             .field("height", &self.height)
             .field("orientation", &self.orientation)
-            .field("scale", &self.scale)
             .finish_non_exhaustive()
     }
 }
 
 impl JpegRow {
-    /// The decoded size at `scale`: each side divided, rounded up (as libjpeg scales).
-    pub fn scaled(&self) -> (u32, u32) {
-        (
-            self.width.div_ceil(self.scale),
-            self.height.div_ceil(self.scale),
-        )
-    }
-
     /// Decodes it on the CPU into `out` (the model's row), counted with `reason`.
     pub fn decode_on_cpu(&self, reason: CpuReason, out: &mut [u8]) -> Result<(), PreprocessError> {
         decode_counted(
@@ -198,16 +186,19 @@ pub fn prepare(
                     height as usize,
                     settings.dct_scaling_min_side,
                 );
-                return Ok(Row::Jpeg(Arc::new(JpegRow {
-                    orientation: exif::orientation(&bytes),
-                    bytes,
-                    width,
-                    height,
-                    scale: (scale.denom() / scale.num()) as u32,
-                    settings: settings.clone(),
-                    budget: budget.clone(),
-                    metrics: metrics.clone(),
-                })));
+                if scale != ScalingFactor::ONE {
+                    CpuReason::DctScale
+                } else {
+                    return Ok(Row::Jpeg(Arc::new(JpegRow {
+                        orientation: exif::orientation(&bytes),
+                        bytes,
+                        width,
+                        height,
+                        settings: settings.clone(),
+                        budget: budget.clone(),
+                        metrics: metrics.clone(),
+                    })));
+                }
             }
             (Some(reason), _) => reason,
             (None, None) => CpuReason::Damaged,

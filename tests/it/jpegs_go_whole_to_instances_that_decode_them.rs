@@ -1,10 +1,10 @@
 //! Where the classifier's instances decode JPEGs themselves (GPU instances with nvJPEG; here
 //! the fake engine, which decodes them on the CPU as such an instance does what its GPU
 //! decoder fails), the pipeline passes the JPEGs whose structure the GPU decoder takes on
-//! whole and decodes the rest on the CPU, each counted with its reason; every image gets
-//! the class it gets when all are decoded on the CPU, and a JPEG that passes the header
-//! check but cannot be decoded is its own file's error in `/predict` and fails a KServe
-//! ensemble request, naming its row.
+//! whole, unless the CPU path would decode them at a DCT scale, and decodes the rest on the
+//! CPU, each counted with its reason; every image gets the class it gets when all are
+//! decoded on the CPU, and a JPEG that passes the header check but cannot be decoded is its
+//! own file's error in `/predict` and fails a KServe ensemble request, naming its row.
 use crate::common;
 
 use std::sync::Arc;
@@ -70,6 +70,8 @@ fn classes(reply: &common::Reply) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread")]
 async fn jpegs_go_whole_to_instances_that_decode_them_and_the_rest_are_decoded_here() {
     let (_, baseline) = photo("small", "Aqua.jpg");
+    // 1600 x 1000: the CPU path decodes it at 1/2 scale (the bundled short side of 448).
+    let (_, large) = photo("medium", "Path.jpg");
     let progressive = std::fs::read(common::fixtures().join("generated/progressive.jpg")).unwrap();
     let broken = without_quantization_tables(&baseline);
     assert!(
@@ -80,12 +82,13 @@ async fn jpegs_go_whole_to_instances_that_decode_them_and_the_rest_are_decoded_h
         ("baseline.jpg".to_string(), baseline.clone()),
         ("progressive.jpg".to_string(), progressive),
         ("red.png".to_string(), solid_png(90)),
+        ("large.jpg".to_string(), large),
     ];
 
     let cpu = gateway(false).await;
     let on_cpu = cpu.predict("", &files).await;
     assert_eq!(on_cpu.status, 200, "{}", on_cpu.json);
-    assert_eq!(cpu_decodes(&cpu, "no_gpu_decoder").await, 3.0);
+    assert_eq!(cpu_decodes(&cpu, "no_gpu_decoder").await, 4.0);
     cpu.stop().await;
 
     let gpu = gateway(true).await;
@@ -105,6 +108,7 @@ async fn jpegs_go_whole_to_instances_that_decode_them_and_the_rest_are_decoded_h
     assert_eq!(cpu_decodes(&gpu, "gpu_failed").await, 2.0);
     assert_eq!(cpu_decodes(&gpu, "progressive").await, 1.0);
     assert_eq!(cpu_decodes(&gpu, "not_jpeg").await, 1.0);
+    assert_eq!(cpu_decodes(&gpu, "dct_scale").await, 1.0);
     assert_eq!(cpu_decodes(&gpu, "no_gpu_decoder").await, 0.0);
 
     // A KServe ensemble request: the broken JPEG fails it, naming its row.
