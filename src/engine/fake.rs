@@ -19,7 +19,8 @@ pub struct FakeEngine {
 }
 
 /// Faults a test orders: an engine error, a panic, or an answer one row short for every
-/// batch with a row whose first byte is the given value, new engines refused while
+/// batch with a row whose first byte is the given value, an engine error for a batch of
+/// more rows than `most_rows` (as a model exported for fewer fails), new engines refused while
 /// `refuse_loads` is set, and batches held in the engine while the gate is closed; and
 /// whether it decodes JPEG rows itself.
 #[derive(Debug, Default)]
@@ -27,6 +28,7 @@ pub struct FakeFaults {
     pub fail_on_first_byte: Option<u8>,
     pub panic_on_first_byte: Option<u8>,
     pub lose_row_on_first_byte: Option<u8>,
+    pub most_rows: Option<usize>,
     pub refuse_loads: AtomicBool,
     pub gate: Gate,
     /// The engine says it decodes JPEGs itself, as a GPU instance with nvJPEG does, and
@@ -206,6 +208,14 @@ impl Engine for FakeEngine {
         if let Some(bad) = self.faults.fail_on_first_byte {
             if firsts.contains(&bad) {
                 return Err(EngineError::Execution("injected failure".into()));
+            }
+        }
+        if let Some(most) = self.faults.most_rows {
+            if firsts.len() > most {
+                return Err(EngineError::Execution(format!(
+                    "a batch of {} rows; this engine takes at most {most}",
+                    firsts.len()
+                )));
             }
         }
         let n = self.num_classes;

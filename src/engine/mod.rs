@@ -202,7 +202,8 @@ pub struct EngineSpec {
     pub runtime: Runtime,
     /// What its convolutions and matmuls run in.
     pub precision: Precision,
-    /// The most rows a batch holds (the config's `max_batch_size`; 0: no batching).
+    /// The most rows a batch holds: the config's `max_batch_size`, or fewer where
+    /// `--max-batch-bytes` holds fewer (`ClassifierSpec::batch_rows`).
     pub max_batch_size: usize,
     /// The FP32 `[N, 3, height, width]` input's name.
     pub input: String,

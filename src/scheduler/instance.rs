@@ -30,6 +30,8 @@ pub(super) struct InstanceContext {
     pub id: InstanceId,
     pub height: usize,
     pub width: usize,
+    /// The most rows of one batch it runs (`EngineSpec::max_batch_size`).
+    pub batch_rows: usize,
 }
 
 /// Why an instance's loop ended.

@@ -115,6 +115,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
             id,
             height: settings.engine.height,
             width: settings.engine.width,
+            batch_rows: settings.engine.max_batch_size.max(1),
         };
         let choice = settings.batch_size.clone();
         let tuned = tuned.clone();

@@ -43,7 +43,9 @@ pub enum BatchSizeChoice {
 }
 
 /// Runs the config's `model_warmup` samples as Triton does: each `count` times, in order;
-/// the first that fails fails the instance's load, naming the sample.
+/// the first that fails fails the instance's load, naming the sample. A sample larger than
+/// the largest batch the instance runs (`batch_rows`) runs as batches of that many rows and
+/// the rest, as a request of its size would.
 fn run_warmup_samples(
     engine: &mut dyn Engine,
     ctx: &InstanceContext,
@@ -51,7 +53,7 @@ fn run_warmup_samples(
 ) -> Result<(), String> {
     let row = ctx.height * ctx.width * 3;
     for sample in samples {
-        let n = sample.batch_size;
+        let n = sample.batch_size.min(ctx.batch_rows);
         let mut data = buffer(n * row)?;
         match &sample.data {
             WarmupData::Zero => data.resize(n * row, 0.0),
@@ -70,25 +72,30 @@ fn run_warmup_samples(
         data.truncate(n * row);
         let t = Instant::now();
         for _ in 0..sample.count {
-            let input = BatchInput::Tensors {
-                data: &data,
-                height: ctx.height,
-                width: ctx.width,
-            };
-            let want = OutputRequest {
-                top_k: 1,
-                logits: false,
-            };
-            engine
-                .run(input, want)
-                .map_err(|e| format!("failed to run warmup sample '{}': {e}", sample.name))?;
+            let mut left = sample.batch_size;
+            while left > 0 {
+                let rows = left.min(n);
+                left -= rows;
+                let input = BatchInput::Tensors {
+                    data: &data[..rows * row],
+                    height: ctx.height,
+                    width: ctx.width,
+                };
+                let want = OutputRequest {
+                    top_k: 1,
+                    logits: false,
+                };
+                engine
+                    .run(input, want)
+                    .map_err(|e| format!("failed to run warmup sample '{}': {e}", sample.name))?;
+            }
         }
         tracing::info!(
             model = ctx.model,
             instance = %ctx.id,
             sample = sample.name,
             count = sample.count,
-            batch_size = n,
+            batch_size = sample.batch_size,
             secs = format!("{:.2}", t.elapsed().as_secs_f64()),
             "warmup sample ran"
         );

@@ -94,6 +94,21 @@ impl Registry {
                     if let Some(w) = &fallback {
                         tracing::warn!(model = %m.name, "{w}");
                     }
+                    if spec.batch_rows < spec.max_batch_size {
+                        tracing::info!(
+                            model = %m.name,
+                            max_batch_size = spec.max_batch_size,
+                            batch_rows = spec.batch_rows,
+                            "the batches this server forms hold at most {} rows: {} rows of FP32 \
+                             [3, {}, {}] would be over --max-batch-bytes {}; a larger request is \
+                             cut into such batches",
+                            spec.batch_rows,
+                            spec.max_batch_size,
+                            spec.height,
+                            spec.width,
+                            limits.batch_bytes
+                        );
+                    }
                     let settings = ModelSettings {
                         name: m.name.clone(),
                         version: m.version,
@@ -102,7 +117,7 @@ impl Registry {
                             file: spec.model_file.clone(),
                             runtime: spec.runtime,
                             precision: precision(spec, opts.precision),
-                            max_batch_size: spec.max_batch_size,
+                            max_batch_size: spec.batch_rows,
                             input: spec.input_name.clone(),
                             height: spec.height,
                             width: spec.width,
@@ -258,10 +273,10 @@ fn preprocess_settings(p: &PreprocessorSpec, opts: &BuildOptions) -> PreprocessS
 /// its own capacity (the config's `max_queue_size`, else `default_queue_size`) and timeouts.
 pub fn batch_policy(spec: &ClassifierSpec, default_queue_size: usize) -> BatchPolicy {
     let Some(b) = &spec.batching else {
-        return BatchPolicy::single_queue(spec.max_batch_size, default_queue_size);
+        return BatchPolicy::single_queue(spec.batch_rows, default_queue_size);
     };
     BatchPolicy {
-        max_batch_size: spec.max_batch_size,
+        max_batch_size: spec.batch_rows,
         max_queue_delay: b.max_queue_delay,
         merge_requests: true,
         queues: b
@@ -281,21 +296,33 @@ pub fn batch_policy(spec: &ClassifierSpec, default_queue_size: usize) -> BatchPo
 /// How an instance picks its batch size. Without `dynamic_batching` requests run alone
 /// (the size only bounds warm-up); one preferred size pins it; none means Triton's "grow to
 /// max_batch_size"; several are candidates timed at warm-up, the fastest per image wins.
+/// Sizes over the largest batch the server forms (`batch_rows`) are left out, and that
+/// largest batch stands in for max_batch_size.
 pub fn batch_size_choice(spec: &ClassifierSpec) -> BatchSizeChoice {
-    let max = spec.max_batch_size;
-    match &spec.batching {
-        None => BatchSizeChoice::Pinned(1),
-        Some(b) => match b.preferred_batch_sizes.as_slice() {
-            [] => BatchSizeChoice::Pinned(max),
-            [one] => BatchSizeChoice::Pinned(*one),
-            many => {
-                let mut candidates = many.to_vec();
-                if !candidates.contains(&max) {
-                    candidates.push(max);
-                }
-                BatchSizeChoice::Tune(candidates)
+    let preferred = spec
+        .batching
+        .as_ref()
+        .map(|b| b.preferred_batch_sizes.as_slice());
+    choose_batch_size(preferred, spec.batch_rows)
+}
+
+/// `batch_size_choice` from the preferred sizes (`None`: no dynamic batching) and the
+/// largest batch the server forms.
+fn choose_batch_size(preferred: Option<&[usize]>, max: usize) -> BatchSizeChoice {
+    let Some(all) = preferred else {
+        return BatchSizeChoice::Pinned(1);
+    };
+    let preferred: Vec<usize> = all.iter().copied().filter(|&n| n <= max).collect();
+    match preferred.as_slice() {
+        [] => BatchSizeChoice::Pinned(max),
+        [one] if all.len() == 1 => BatchSizeChoice::Pinned(*one),
+        _ => {
+            let mut candidates = preferred;
+            if !candidates.contains(&max) {
+                candidates.push(max);
             }
-        },
+            BatchSizeChoice::Tune(candidates)
+        }
     }
 }
 
@@ -388,6 +415,30 @@ mod tests {
             count,
             gpus: gpus.to_vec(),
         }
+    }
+
+    #[test]
+    fn preferred_sizes_over_the_largest_batch_are_left_out() {
+        use BatchSizeChoice::{Pinned, Tune};
+        // The seeds' sizes with 445 rows to a batch (FP32 [3, 224, 224], 256 MiB).
+        let seeds = [32, 64, 128, 256, 512, 1024];
+        assert_eq!(
+            choose_batch_size(Some(&seeds), 445),
+            Tune(vec![32, 64, 128, 256, 445])
+        );
+        assert_eq!(choose_batch_size(Some(&seeds), 4096), {
+            let mut all = seeds.to_vec();
+            all.push(4096);
+            Tune(all)
+        });
+        assert_eq!(choose_batch_size(Some(&[1024]), 445), Pinned(445));
+        assert_eq!(choose_batch_size(Some(&[16]), 445), Pinned(16));
+        assert_eq!(
+            choose_batch_size(Some(&[16, 1024]), 445),
+            Tune(vec![16, 445])
+        );
+        assert_eq!(choose_batch_size(Some(&[]), 445), Pinned(445));
+        assert_eq!(choose_batch_size(None, 445), Pinned(1));
     }
 
     #[test]

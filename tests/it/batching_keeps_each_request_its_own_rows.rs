@@ -6,6 +6,7 @@ use std::time::Duration;
 use common::{photos, solid_png, temp_repository, with_preferred, TestGateway};
 use futures::future::join_all;
 use visiongate::config::Config;
+use visiongate::engine::FakeFaults;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn thirty_two_concurrent_requests_share_batches_and_keep_their_own_answers() {
@@ -107,5 +108,43 @@ async fn the_real_model_gives_the_same_answer_alone_and_inside_a_batch() {
             assert!((x - y).abs() < 1e-4, "{}: {x} alone vs {y} batched", file.0);
         }
     }
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn max_batch_size_says_what_the_model_takes_and_batches_stay_within_the_batch_bytes() {
+    // The config asks for everything (Triton's meaning: what the model takes), and still
+    // loads; with --max-batch-bytes at four FP32 [3, 224, 224] rows, the preferred sizes
+    // over four are left out and every batch the server forms holds at most four rows.
+    let mut config = Config::for_tests();
+    config.model_repository = vec![temp_repository("batch-bytes", |m, t| {
+        with_preferred(m, t, "[ 1000000000, 2000000000 ]")
+            .replace("max_batch_size: 4096", "max_batch_size: 2147483647")
+    })];
+    config.max_batch_bytes = 4 * 3 * 224 * 224 * 4;
+    // The engine fails a batch of more than four rows (warm-up and timing included).
+    let faults = FakeFaults {
+        most_rows: Some(4),
+        ..Default::default()
+    };
+    let (gw, _) = TestGateway::start_faulty(config, faults).await;
+    let c = gw
+        .json(gw.client.get(gw.url("/v2/models/classifier/config")))
+        .await;
+    assert_eq!(
+        c["max_batch_size"], 2147483647,
+        "the config is served as written"
+    );
+    let files: Vec<_> = (0..30u8)
+        .map(|i| (format!("{i}.png"), solid_png(i)))
+        .collect();
+    let reply = gw.predict("?top_k=1", &files).await;
+    assert_eq!(reply.status, 200, "{}", reply.json);
+    for (i, r) in reply.results().iter().enumerate() {
+        assert_eq!(r["class_id"], i as u64, "row {i}");
+    }
+    let batches = gw.metric("visiongate_batch_size_count", &[]).await;
+    assert_eq!(gw.metric("visiongate_batch_size_sum", &[]).await, 30.0);
+    assert!(batches >= 8.0, "30 rows in {batches} batches");
     gw.stop().await;
 }

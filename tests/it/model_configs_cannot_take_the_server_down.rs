@@ -100,13 +100,7 @@ fn warmup(batch: &str, count: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn configs_over_a_limit_fail_their_load_and_the_server_serves_on() {
     let repo = temp_repository("config-limits", |_, t| t.to_string());
-    let max_batch = |t: String| t.replace("max_batch_size: 64", "max_batch_size: 2147483647");
-    classifier_copy(&repo, "batch", |t| {
-        max_batch(t).replace(
-            "preferred_batch_size: [ 1, 2, 4, 8, 16, 32 ]",
-            "preferred_batch_size: [ 1000000000, 2000000000 ]",
-        )
-    });
+    let max_batch = |t: String| t.replace("max_batch_size: 4096", "max_batch_size: 2147483647");
     classifier_copy(&repo, "warmup_batch", |t| {
         max_batch(t) + &warmup("2147483647", "1")
     });
@@ -130,12 +124,11 @@ async fn configs_over_a_limit_fail_their_load_and_the_server_serves_on() {
     let gw = TestGateway::start_fake(explicit(&repo), Duration::ZERO).await;
     serves(&gw, "start-up").await;
 
-    let cases: [(&str, &[&str]); 6] = [
+    let cases: [(&str, &[&str]); 5] = [
         (
-            "batch",
-            &["max_batch_size", "2147483647", "--max-batch-bytes"],
+            "warmup_batch",
+            &["model_warmup[0]", "2147483647 rows", "--max-warmup-rows"],
         ),
-        ("warmup_batch", &["max_batch_size", "--max-batch-bytes"]),
         (
             "warmup_rows",
             &["model_warmup[0]", "64000000 rows", "--max-warmup-rows"],

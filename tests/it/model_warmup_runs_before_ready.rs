@@ -71,6 +71,40 @@ async fn a_classifier_with_model_warmup_loads_and_serves() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_sample_larger_than_a_batch_may_hold_runs_as_several_batches() {
+    // --max-batch-bytes at four rows: the 'zeros' sample (4 rows, twice) runs as is, and a
+    // sample of 10 rows (within max_batch_size 4096) runs as batches of 4, 4 and 2. The
+    // engine fails any batch of more than four rows: none reaches it, warm-up or not.
+    let repo = temp_repository("warmup-cut", |model, text| {
+        if model == "classifier" {
+            format!(
+                "{text}\n{}",
+                WARMUP
+                    .replace("batch_size: 2\n", "batch_size: 10\n")
+                    .replace("input_data_file: \"sevens.bin\"", "zero_data: true")
+            )
+        } else {
+            text.to_string()
+        }
+    });
+    let mut config = Config::for_tests();
+    config.model_repository = vec![repo];
+    config.max_batch_bytes = 4 * 3 * 224 * 224 * 4;
+    let gateway = common::start_fake_gateway(
+        config,
+        FakeFaults {
+            most_rows: Some(4),
+            ..Default::default()
+        },
+    )
+    .await;
+    let failures = gateway.wait_ready().await;
+    assert!(failures.is_empty(), "{failures:?}");
+    assert!(gateway.state.is_ready());
+    gateway.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn the_first_failing_sample_fails_the_load_by_name() {
     // The engine fails on rows that start with 7.0: the file sample's.
     let gateway = start(
@@ -112,7 +146,7 @@ async fn the_first_failing_sample_fails_the_load_by_name() {
 async fn samples_that_do_not_fit_the_model_fail_its_load_at_once() {
     for (sample, says) in [
         (
-            r#"model_warmup [{ name: "big" batch_size: 65 inputs { key: "input__0" value: { data_type: TYPE_FP32 dims: [ 3, 224, 224 ] zero_data: true } } }]"#,
+            r#"model_warmup [{ name: "big" batch_size: 4097 inputs { key: "input__0" value: { data_type: TYPE_FP32 dims: [ 3, 224, 224 ] zero_data: true } } }]"#,
             "over max_batch_size",
         ),
         (

@@ -250,7 +250,7 @@ async fn load_and_unload_are_refused_outside_explicit_mode() {
 async fn load_with_a_config_parameter_replaces_config_pbtxt() {
     let gw = start_explicit("override", None, Duration::from_millis(1)).await;
     let (_, mut config) = gw.get("/v2/models/classifier/config").await;
-    assert_eq!(config["max_batch_size"], 64);
+    assert_eq!(config["max_batch_size"], 4096);
     config["max_batch_size"] = json!(8);
     config["dynamic_batching"]["preferred_batch_size"] = json!([4]);
     let (status, body) = gw.load_config("classifier", &config.to_string()).await;
@@ -505,7 +505,7 @@ async fn poll_mode_follows_the_repository() {
     let text = std::fs::read_to_string(&config).unwrap();
     std::fs::write(
         &config,
-        text.replace("max_batch_size: 64", "max_batch_size: 32"),
+        text.replace("max_batch_size: 4096", "max_batch_size: 32"),
     )
     .unwrap();
     wait_for("reload", "/v2/models/classifier/config", |_, c| {

@@ -104,7 +104,7 @@ async fn v2_config_returns_the_model_config_as_on_disk() {
         let c: serde_json::Value = r.json().await.unwrap();
         assert_eq!(c["name"], "classifier");
         assert_eq!(c["platform"], "pytorch_libtorch");
-        assert_eq!(c["max_batch_size"], 64);
+        assert_eq!(c["max_batch_size"], 4096);
         assert_eq!(c["input"][0]["name"], "input__0");
         assert_eq!(c["input"][0]["data_type"], "TYPE_FP32");
         assert_eq!(c["input"][0]["dims"], json!(["3", "224", "224"]));

@@ -89,7 +89,7 @@ def test_model_config_is_as_on_disk(server, kind):
     if kind == "grpc":
         cfg = cfg["config"]
     assert cfg["name"] == "classifier"
-    assert cfg["max_batch_size"] == 64
+    assert cfg["max_batch_size"] == 4096
     assert cfg["input"][0]["name"] == "input__0"
     assert cfg["input"][0]["data_type"] == "TYPE_FP32"
     assert [int(d) for d in cfg["input"][0]["dims"]] == [3, 224, 224]

@@ -3,6 +3,7 @@ and serve the real binary; the ones visiongate cannot honour are accepted with a
 and malformed or unknown ones fail before anything starts."""
 
 import os
+import shutil
 import socket
 import subprocess
 
@@ -12,7 +13,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import ROOT, Server, free_port
+from conftest import ROOT, Server, free_port, link_file
 
 
 def top1(base, photo, headers=None):
@@ -38,6 +39,75 @@ def test_a_manifest_with_strict_model_config_and_log_verbose_serves(server, all_
         log = s.log_path.read_text()
         assert "--strict-model-config / --disable-auto-complete-config: accepted, no effect" in log
         assert "DEBUG" in log and "batch ran" in log  # --log-verbose=1: visiongate's debug lines
+    finally:
+        s.stop()
+
+
+# The seeds' classifier config (the FastAPI + Triton deployment visiongate replaces), as it
+# is written there: max_batch_size is what the model takes, 4096 rows, far more than one
+# batch's memory bound; Triton loads it, and so must visiongate.
+SEEDS_CLASSIFIER = """name: "classifier"
+platform: "pytorch_libtorch"
+max_batch_size: 4096
+input [
+  {
+    name: "input__0"
+    data_type: TYPE_FP32
+    format: FORMAT_NCHW
+    dims: [ 3, 224, 224 ]
+  }
+]
+output [
+  {
+    name: "output__0"
+    data_type: TYPE_FP32
+    dims: [ 1000 ]
+    label_filename: "labels.txt"
+  }
+]
+instance_group [
+  {
+    count: 2
+    kind: KIND_GPU
+  }
+]
+dynamic_batching {
+  preferred_batch_size: [ 32, 64, 128, 256, 512, 1024 ]
+  max_queue_delay_microseconds: 100
+}
+"""
+
+
+def seeds_repository(tmp_path):
+    repo = tmp_path / "model_repository"
+    (repo / "classifier" / "1").mkdir(parents=True)
+    (repo / "classifier" / "config.pbtxt").write_text(SEEDS_CLASSIFIER)
+    # The model's files inside its directory (a link out of it is refused).
+    shutil.copy(ROOT / "models" / "classifier" / "labels.txt", repo / "classifier" / "labels.txt")
+    link_file(ROOT / "models" / "classifier" / "1" / "model.pt", repo / "classifier" / "1" / "model.pt")
+    for m in ("preprocessor", "ensemble_model"):
+        (repo / m).symlink_to(ROOT / "models" / m)
+    return repo
+
+
+@pytest.mark.parametrize("mode", ["none", "poll"])
+def test_the_seeds_classifier_config_and_arguments_start_and_serve(server, all_photos, tmp_path, mode):
+    repo = seeds_repository(tmp_path)
+    args = [f"--model-repository={repo}", "--strict-model-config=false", "--log-verbose=1"]
+    if mode == "poll":
+        args += ["--model-control-mode=poll", "--repository-poll-secs=5"]
+    s = Server(*args, repository=False)
+    try:
+        for photo in all_photos[:3]:
+            assert top1(s.base, photo) == top1(server.base, photo)
+        config = requests.get(s.base + "/v2/models/classifier/config", timeout=10).json()
+        assert config["max_batch_size"] == 4096
+        log = s.log_path.read_text()
+        assert "the batches this server forms hold at most 445 rows" in log, log[-3000:]
+        assert "--max-batch-bytes 268435456" in log
+        # Triton's clients read the config as written.
+        c = httpclient.InferenceServerClient(s.http_url)
+        assert c.get_model_config("classifier")["max_batch_size"] == 4096
     finally:
         s.stop()
 

@@ -76,20 +76,23 @@ pub(super) fn classifier(
             ),
         ));
     }
-    // The input a batch of `max_batch_size` rows needs, in u128: dims are i64.
+    // `max_batch_size` is what the model takes (Triton's meaning), not memory reserved up
+    // front: the batches the server forms hold at most what --max-batch-bytes holds of the
+    // FP32 input (in u128: dims are i64), and larger requests are cut into such batches.
     let row_bytes = 3 * height as u128 * width as u128 * 4;
-    let batch_bytes = row_bytes * c.max_batch_size as u128;
-    if batch_bytes > limits.batch_bytes as u128 {
+    if row_bytes > limits.batch_bytes as u128 {
         return Err(invalid(
             model,
-            "max_batch_size",
+            "input.dims",
             format!(
-                "a batch of {} rows of FP32 [3, {height}, {width}] is {batch_bytes} bytes; at \
-                 most {} are allowed (--max-batch-bytes)",
-                c.max_batch_size, limits.batch_bytes
+                "one row of FP32 [3, {height}, {width}] is {row_bytes} bytes; a batch may hold \
+                 at most {} (--max-batch-bytes)",
+                limits.batch_bytes
             ),
         ));
     }
+    let fit = usize::try_from(limits.batch_bytes as u128 / row_bytes).unwrap_or(usize::MAX);
+    let batch_rows = (c.max_batch_size as usize).min(fit);
     if output.dims[0] > MAX_CLASSES {
         return Err(invalid(
             model,
@@ -142,6 +145,7 @@ pub(super) fn classifier(
         model_file,
         runtime,
         max_batch_size: c.max_batch_size as usize,
+        batch_rows,
         input_name: input.name.clone(),
         height: height as usize,
         width: width as usize,

@@ -55,7 +55,11 @@ pub struct ClassifierSpec {
     pub model_file: PathBuf,
     /// What runs the model file (its platform), with that runtime's options.
     pub runtime: Runtime,
+    /// The config's: the most rows the model takes in one request.
     pub max_batch_size: usize,
+    /// The most rows of one batch the server forms (dynamic batching, warm-up, batch-size
+    /// timing, padding): `max_batch_size`, or fewer where `--max-batch-bytes` holds fewer.
+    pub batch_rows: usize,
     pub input_name: String,
     pub height: usize,
     pub width: usize,
