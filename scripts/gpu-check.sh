@@ -59,6 +59,10 @@ while (($#)); do
   shift
 done
 images=${images:-$((cpu_only ? 200 : 1000))}
+[[ $rounds =~ ^[1-9][0-9]*$ && $images =~ ^[1-9][0-9]*$ ]] || { echo "gpu-check: --rounds and --images take a positive number" >&2; exit 2; }
+for section in ${sections//,/ }; do
+  [[ " fidelity cudashm small all pt2 " == *" $section "* ]] || { echo "gpu-check: no section '$section'" >&2; exit 2; }
+done
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 report=$out/report.txt
@@ -363,7 +367,7 @@ stop_server() {
     pid=
   fi
 }
-trap stop_server EXIT
+trap 'stop_server; [[ -z ${pt2_job:-} ]] || kill "$pt2_job" 2>/dev/null || true' EXIT
 
 # serve NAME [ENV=VALUE...] -- [FLAG...]: starts the kit's server on $models (the kit's
 # repository unless said otherwise) and waits until ready.
@@ -399,7 +403,8 @@ wants() { [[ ",$sections," == *",$1,"* ]]; }
 failed=()
 all_but_one=$(($(nproc) > 1 ? $(nproc) - 1 : 1))
 # The .pt2 compile (CPU work, minutes) runs beside the fidelity and shared-memory sections,
-# which time nothing, bounded by PT2_TIMEOUT seconds; on a CPU-only machine it runs alone.
+# whose figures are not throughput (their servers' batch-size timing runs beside it too),
+# bounded by PT2_TIMEOUT seconds; on a CPU-only machine it runs alone.
 pt2_job=
 pt2_compile() {
   env "${gpu_env[@]}" timeout "${PT2_TIMEOUT:-400}" "$PY" "$helper" pt2 \
@@ -430,7 +435,12 @@ if wants fidelity; then
     "$PY" "$helper" classify "$url" "$KIT/photos" "$out/$name.json"
     decodes=$("$PY" "$helper" decodes "http://127.0.0.1:$metrics/metrics")
     stop_server
-    say "  GPU ($run) against CPU: $("$PY" "$helper" compare "$out/cpu.json" "$out/$name.json" "${exact[@]}"); $decodes"
+    compared=$("$PY" "$helper" compare "$out/cpu.json" "$out/$name.json" "${exact[@]}") || {
+      say "  GPU ($run) against CPU: $compared"
+      echo "gpu-check: top-1 differs where it must not" >&2
+      exit 1
+    }
+    say "  GPU ($run) against CPU: $compared; $decodes"
     if ((cpu_only)) && grep -q 'path="gpu' <<< "$decodes"; then
       echo "gpu-check: images were decoded on a GPU with CUDA hidden" >&2
       exit 1
@@ -455,7 +465,12 @@ fi
 # The .pt2 compile is waited for before anything is timed.
 pt2_ok=0
 if wants pt2; then
-  if [[ -n $pt2_job ]]; then wait "$pt2_job" && pt2_ok=1; else pt2_compile && pt2_ok=1; fi
+  if [[ -n $pt2_job ]]; then
+    wait "$pt2_job" && pt2_ok=1
+    pt2_job=
+  else
+    pt2_compile && pt2_ok=1
+  fi
 fi
 
 for set in small all; do
@@ -463,7 +478,7 @@ for set in small all; do
   folder=$KIT/photos
   [[ $set == small ]] && folder=$KIT/photos/small
   say ""
-  say "## Throughput: one /predict request of $images images, $set photos ($(find "$folder/" -path '*/registry' -prune -o -name '*.jpg' -print | wc -l) over and over)"
+  say "## Throughput: /predict requests of $images images ($rounds one after another), $set photos ($(find "$folder/" -path '*/registry' -prune -o -name '*.jpg' -print | wc -l) over and over)"
   for run in "GPU 4" "CPU 4" "CPU 8" "CPU $all_but_one"; do
     [[ $run =~ $runs ]] || continue
     read -r where threads <<< "$run"
@@ -496,20 +511,35 @@ if wants pt2; then
   say "## The classifier as a .pt2 package (AOTInductor) compiled here for $device, served on it"
   if ((pt2_ok)); then
     sed 's/^/  /' "$out/pt2.txt" | tee -a "$report"
-    env "${gpu_env[@]}" "$PY" "$helper" pt2-forward "$KIT/models/classifier/1/model.pt" \
-      "$out/pt2-repo/classifier/1/model.pt2" "$device" 2>&1 | sed 's/^/  /' | tee -a "$report"
-    models=$out/pt2-repo
-    serve pt2 "${gpu_env[@]}" -- --decode-threads 4 --gpu-decode=false
-    "$PY" "$helper" classify "$url" "$KIT/photos" "$out/pt2.json"
-    against=
-    [[ -f $out/cpu.json ]] && against=$("$PY" "$helper" compare "$out/cpu.json" "$out/pt2.json")
-    stop_server
-    say "  .pt2 on $device against the CPU path: ${against:-no CPU run to compare with (fidelity not run)}"
-    serve pt2-bulk "${gpu_env[@]}" -- --decode-threads "$all_but_one" --gpu-decode=false
-    "$PY" "$helper" bulk "$url" "$KIT/photos/small" 20 > /dev/null
-    say "  .pt2, CPU decode, $all_but_one decode threads, small photos: $("$PY" "$helper" bulk "$url" "$KIT/photos/small" "$images" "$rounds")"
-    stop_server
-    models=$KIT/models
+    # In a subshell of its own (errexit on, its server stopped on the way out), so that a
+    # failure here is reported with the others instead of ending the script.
+    set +e
+    (
+      set -e
+      trap stop_server EXIT
+      env "${gpu_env[@]}" "$PY" "$helper" pt2-forward "$KIT/models/classifier/1/model.pt" \
+        "$out/pt2-repo/classifier/1/model.pt2" "$device" > "$out/pt2-forward.txt" 2>&1
+      sed 's/^/  /' "$out/pt2-forward.txt" | tee -a "$report"
+      models=$out/pt2-repo
+      serve pt2 "${gpu_env[@]}" -- --decode-threads 4 --gpu-decode=false
+      "$PY" "$helper" classify "$url" "$KIT/photos" "$out/pt2.json"
+      against="no CPU run to compare with (fidelity not run)"
+      if [[ -f $out/cpu.json ]]; then
+        against=$("$PY" "$helper" compare "$out/cpu.json" "$out/pt2.json")
+      fi
+      stop_server
+      say "  .pt2 on $device against the CPU path: $against"
+      serve pt2-bulk "${gpu_env[@]}" -- --decode-threads "$all_but_one" --gpu-decode=false
+      "$PY" "$helper" bulk "$url" "$KIT/photos/small" 20 > /dev/null
+      result=$("$PY" "$helper" bulk "$url" "$KIT/photos/small" "$images" "$rounds")
+      say "  .pt2, CPU decode, $all_but_one decode threads, small photos: $result"
+    )
+    status=$?
+    set -e
+    if ((status)); then
+      [[ -f $out/pt2-forward.txt ]] && tail -20 "$out/pt2-forward.txt" | sed 's/^/  /' | tee -a "$report"
+      failed+=(".pt2 package")
+    fi
   else
     tail -20 "$out/pt2.txt" | sed 's/^/  /' | tee -a "$report"
     failed+=(".pt2 package")

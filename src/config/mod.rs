@@ -340,9 +340,11 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_MAX_MODEL_VERSIONS", default_value_t = Limits::DEFAULT_VERSIONS)]
     pub max_model_versions: usize,
 
-    /// Bytes of one batch's input: a classifier's `max_batch_size` rows of its FP32
-    /// `[3, height, width]` input (and one preprocessor output image) may take no more.
-    /// Every batch a model runs, at warm-up or serving, is within it.
+    /// Bytes of one batch's input: the batches the server forms for a classifier hold at
+    /// most as many rows of its FP32 `[3, height, width]` input as fit, however large its
+    /// `max_batch_size` (what the model takes; a larger request is cut into such batches).
+    /// Every batch a model runs, at warm-up or serving, is within it; one row, or one
+    /// preprocessor output image, over it fails the load.
     #[arg(long, env = "VISIONGATE_MAX_BATCH_BYTES", default_value_t = Limits::DEFAULT_BATCH_BYTES)]
     pub max_batch_bytes: u64,
 

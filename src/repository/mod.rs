@@ -76,9 +76,10 @@ impl HasKind for RepositoryError {
 pub struct Limits {
     /// Versions served per model (`--max-model-versions`).
     pub versions: usize,
-    /// Bytes of one batch's input: `max_batch_size` rows of the FP32 `[3, height, width]`
-    /// input (`--max-batch-bytes`). Every batch a model runs (warm-up, batch-size timing,
-    /// serving) is at most that.
+    /// Bytes of one batch's input (`--max-batch-bytes`): every batch a model runs
+    /// (warm-up, batch-size timing, serving) holds at most the rows of its FP32
+    /// `[3, height, width]` input that fit, fewer than `max_batch_size` where they must
+    /// (`ClassifierSpec::batch_rows`).
     pub batch_bytes: u64,
     /// Rows a model's `model_warmup` samples run on each instance before it serves: each
     /// sample's `batch_size` times its `count` (`--max-warmup-rows`).

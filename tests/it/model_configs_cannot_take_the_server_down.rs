@@ -105,6 +105,9 @@ async fn configs_over_a_limit_fail_their_load_and_the_server_serves_on() {
         max_batch(t) + &warmup("2147483647", "1")
     });
     classifier_copy(&repo, "warmup_rows", |t| t + &warmup("64", "1000000"));
+    classifier_copy(&repo, "row", |t| {
+        t.replace("dims: [ 3, 224, 224 ]", "dims: [ 3, 10000, 10000 ]")
+    });
     classifier_copy(&repo, "instances", |t| {
         t.replace(
             "count: 2\n    kind: KIND_GPU\n    gpus: [ 0, 1 ]",
@@ -124,7 +127,15 @@ async fn configs_over_a_limit_fail_their_load_and_the_server_serves_on() {
     let gw = TestGateway::start_fake(explicit(&repo), Duration::ZERO).await;
     serves(&gw, "start-up").await;
 
-    let cases: [(&str, &[&str]); 5] = [
+    let cases: [(&str, &[&str]); 6] = [
+        (
+            "row",
+            &[
+                "input.dims",
+                "one row of FP32 [3, 10000, 10000] is 1200000000 bytes",
+                "--max-batch-bytes",
+            ],
+        ),
         (
             "warmup_batch",
             &["model_warmup[0]", "2147483647 rows", "--max-warmup-rows"],
