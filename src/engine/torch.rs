@@ -719,8 +719,11 @@ mod tests {
                         &metrics,
                     );
                     let header = turbojpeg::read_header(&bytes).unwrap();
-                    let scaled = preprocess::dct_scale(header.width, header.height, 448)
-                        != turbojpeg::ScalingFactor::ONE;
+                    let scaled = preprocess::dct_scale(
+                        header.width,
+                        header.height,
+                        settings.dct_scaling_min_side,
+                    ) != turbojpeg::ScalingFactor::ONE;
                     let jpeg = match row {
                         Ok(Row::Jpeg(jpeg)) if !scaled => jpeg,
                         Ok(Row::Bytes(_)) if scaled => continue,
