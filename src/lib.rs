@@ -29,7 +29,7 @@ use actix_web::web;
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
-use config::Settings;
+use config::{Bind, Settings};
 pub use engines::EngineChoice;
 use engines::Engines;
 use listeners::{GrpcListener, HttpListener};
@@ -62,7 +62,8 @@ impl Gateway {
         let repositories =
             Repositories::open(&settings.control.repositories, &settings.control.remote)
                 .map_err(anyhow::Error::msg)
-                .context("opening the model repositories")?;
+                .context("opening the model repositories")?
+                .with_config_name(settings.control.config_name.clone());
         let (scan, reading) = repositories
             .scan(&settings.control.limits)
             .await
@@ -96,18 +97,18 @@ impl Gateway {
         });
         let listen = settings.listen;
         let http = match listening("HTTP", listen.http, "--allow-http") {
-            Some(port) => Some(start_http(&settings, &state, port)?),
+            Some(at) => Some(start_http(&settings, &state, at)?),
             None => None,
         };
         let grpc = match listening("gRPC", listen.grpc, "--allow-grpc") {
-            Some(port) => Some(start_grpc(&settings, &state, port).await?),
+            Some(at) => Some(start_grpc(&settings, &state, at).await?),
             None => None,
         };
         let metrics = match listening("metrics", listen.metrics, "--allow-metrics") {
-            Some(port) => Some(start_metrics(
+            Some(at) => Some(start_metrics(
                 &settings,
                 &state,
-                port,
+                at,
                 background.child_token(),
             )?),
             None => None,
@@ -205,11 +206,11 @@ impl Gateway {
 }
 
 /// A listener's port, or `None` when it is off (logging the flag that turned it off).
-fn listening(name: &str, port: Option<u16>, flag: &str) -> Option<u16> {
-    if port.is_none() {
+fn listening(name: &str, at: Option<Bind>, flag: &str) -> Option<Bind> {
+    if at.is_none() {
         tracing::info!("{name} off ({flag}=false)");
     }
-    port
+    at
 }
 
 /// Decode threads: `--decode-threads`, or the default for the cores and whether any
@@ -280,14 +281,17 @@ fn build_state(
 fn start_http(
     settings: &Settings,
     state: &web::Data<AppState>,
-    port: u16,
+    at: Bind,
 ) -> anyhow::Result<HttpListener> {
     let state = state.clone();
     HttpListener::start(
         "HTTP",
-        (settings.listen.host, port),
+        at,
         settings.http_workers,
-        state.limits.max_body_bytes,
+        state
+            .limits
+            .max_body_bytes
+            .max(state.limits.max_input_bytes),
         move |c| http::configure(c, state.clone()),
     )
 }
@@ -295,10 +299,10 @@ fn start_http(
 async fn start_grpc(
     settings: &Settings,
     state: &web::Data<AppState>,
-    port: u16,
+    at: Bind,
 ) -> anyhow::Result<GrpcListener> {
     let service = grpc::InferenceService::new(state.clone().into_inner());
-    GrpcListener::start((settings.listen.host, port), service, settings.grpc).await
+    GrpcListener::start(at, service, settings.grpc.clone()).await
 }
 
 /// The metrics listener (`/metrics`) and the CPU and GPU series' refresh, which `stop`
@@ -306,11 +310,10 @@ async fn start_grpc(
 fn start_metrics(
     settings: &Settings,
     state: &web::Data<AppState>,
-    port: u16,
+    at: Bind,
     stop: CancellationToken,
 ) -> anyhow::Result<HttpListener> {
     let metrics = state.metrics.clone();
-    let at = (settings.listen.host, port);
     // Only GET /metrics: no body to wait for.
     let listener = HttpListener::start("metrics", at, 1, 0, move |c| {
         let metrics = metrics.clone();

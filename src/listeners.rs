@@ -1,7 +1,7 @@
 //! The three listeners, each started by one constructor and closed by its `stop()`: HTTP
 //! and metrics (actix-web servers in a task), gRPC (tonic, with a kill switch for the
 //! connections that outlast a graceful close).
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use actix_http::{HttpMessage, HttpService, Request};
@@ -12,6 +12,7 @@ use anyhow::Context;
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio_util::sync::CancellationToken;
 
+use crate::config::Bind;
 use crate::grpc;
 
 /// How long a listener gets to close once the requests under way are answered (or the
@@ -36,13 +37,12 @@ impl HttpListener {
     /// 1 s to close, a backlog of 1024).
     pub fn start(
         name: &str,
-        (host, port): (IpAddr, u16),
+        at: Bind,
         workers: usize,
         max_body: u64,
         configure: impl Fn(&mut web::ServiceConfig) + Send + Clone + 'static,
     ) -> anyhow::Result<HttpListener> {
-        let listener = bind(SocketAddr::new(host, port))
-            .with_context(|| format!("binding {name} on {host}:{port}"))?;
+        let listener = bind(at).with_context(|| format!("binding {name} on {}", at.addr))?;
         let addr = listener.local_addr()?;
         let builder = actix_server::Server::build();
         let closing = builder.graceful_shutdown_signal();
@@ -83,11 +83,19 @@ impl HttpListener {
     }
 }
 
-/// A listening socket, as actix-web's `HttpServer` makes it.
-fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+/// A listening socket, as actix-web's `HttpServer` makes it; with `reuse_port`, one other
+/// processes may bind too (SO_REUSEPORT: the kernel spreads connections over them).
+fn bind(at: Bind) -> std::io::Result<std::net::TcpListener> {
+    let socket = Socket::new(
+        Domain::for_address(at.addr),
+        Type::STREAM,
+        Some(Protocol::TCP),
+    )?;
     socket.set_reuse_address(true)?;
-    socket.bind(&addr.into())?;
+    if at.reuse_port {
+        socket.set_reuse_port(true)?;
+    }
+    socket.bind(&at.addr.into())?;
     socket.listen(1024)?;
     Ok(socket.into())
 }
@@ -111,13 +119,17 @@ pub struct GrpcListener {
 
 impl GrpcListener {
     pub async fn start(
-        (host, port): (IpAddr, u16),
+        at: Bind,
         service: grpc::InferenceService,
         settings: grpc::GrpcSettings,
     ) -> anyhow::Result<GrpcListener> {
-        let listener = tokio::net::TcpListener::bind((host, port))
-            .await
-            .with_context(|| format!("binding gRPC on {host}:{port}"))?;
+        let tls = settings.tls.is_some();
+        let listener = bind(at)
+            .and_then(|l| {
+                l.set_nonblocking(true)?;
+                tokio::net::TcpListener::from_std(l)
+            })
+            .with_context(|| format!("binding gRPC on {}", at.addr))?;
         let addr = listener.local_addr()?;
         let (close, kill) = (CancellationToken::new(), CancellationToken::new());
         let task = tokio::spawn(grpc::serve_logged(
@@ -127,7 +139,7 @@ impl GrpcListener {
             close.clone().cancelled_owned(),
             kill.clone(),
         ));
-        tracing::info!(%addr, "gRPC listening");
+        tracing::info!(%addr, tls, "gRPC listening");
         Ok(GrpcListener {
             addr,
             task,

@@ -8,7 +8,10 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 fn main() {
     raise_open_file_limit();
     let config = visiongate::config::Config::parse();
-    visiongate::telemetry::init(config.log_levels());
+    if let Err(e) = visiongate::telemetry::init(config.log_levels(), config.log_file.as_deref()) {
+        eprintln!("Error: {e}");
+        std::process::exit(1);
+    }
     if let Err(e) = serve(config) {
         // A start that fails (a port in use, say) may leave models loading on their own
         // threads: exit without the exit-time destructors they could still be using.

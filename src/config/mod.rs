@@ -3,7 +3,7 @@
 //! honoured where visiongate can and otherwise accepted with a log line.
 mod triton;
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -25,7 +25,9 @@ use crate::telemetry::{LogLevels, MetricsConfig};
 #[command(
     name = "visiongate",
     version,
-    about = "Image classification gateway: /predict, Triton model repositories, libtorch"
+    about = "Image classification gateway: /predict, Triton model repositories, libtorch",
+    // As `tritonserver`: an argument given twice takes its last value.
+    args_override_self = true
 )]
 pub struct Config {
     /// Model repository in Triton layout (<model>/config.pbtxt, <model>/<version>/...): a
@@ -57,6 +59,12 @@ pub struct Config {
     )]
     pub model_control_mode: ControlMode,
 
+    /// Each model's config is `configs/<name>.pbtxt` in its directory where that file
+    /// exists, else its `config.pbtxt` (Triton's `--model-config-name`): one repository
+    /// shared by hosts of different kinds.
+    #[arg(long, value_parser = triton::config_name)]
+    pub model_config_name: Option<String>,
+
     /// Seconds between repository polls in `poll` mode.
     #[arg(long, env = "VISIONGATE_REPOSITORY_POLL_SECS", default_value_t = 15)]
     pub repository_poll_secs: u64,
@@ -78,9 +86,9 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_REPOSITORY_MAX_OBJECT_BYTES", default_value_t = RemoteSettings::DEFAULT_MAX_OBJECT_BYTES)]
     pub repository_max_object_bytes: u64,
 
-    /// The longest one request to a remote repository's store may take (a listing page,
-    /// one object's download), retries included; a failed connection or a 5xx answer is
-    /// retried three times with backoff within it.
+    /// The longest one request to a remote repository's store may take (a listing with all
+    /// its pages, one object's download however slowly its bytes come), retries included; a
+    /// failed connection or a 5xx answer is retried three times with backoff within it.
     #[arg(long, env = "VISIONGATE_REPOSITORY_TIMEOUT_SECS", default_value_t = RemoteSettings::DEFAULT_TIMEOUT_SECS)]
     pub repository_timeout_secs: u64,
 
@@ -115,6 +123,29 @@ pub struct Config {
     /// Address to listen on. 0.0.0.0 serves every interface; 127.0.0.1 only this host.
     #[arg(long, env = "VISIONGATE_HOST", default_value = "0.0.0.0")]
     pub host: IpAddr,
+
+    /// The address the HTTP listener binds (Triton's `--http-address`; default: `--host`).
+    #[arg(long, value_parser = triton::address)]
+    pub http_address: Option<IpAddr>,
+
+    /// The address the gRPC listener binds (Triton's `--grpc-address`; default: `--host`).
+    #[arg(long, value_parser = triton::address)]
+    pub grpc_address: Option<IpAddr>,
+
+    /// The address the metrics listener binds (Triton's `--metrics-address`; default:
+    /// `--http-address`, as in Triton, else `--host`).
+    #[arg(long, value_parser = triton::address)]
+    pub metrics_address: Option<IpAddr>,
+
+    /// Let other processes listen on the HTTP port too (SO_REUSEPORT; Triton's
+    /// `--reuse-http-port`): the kernel spreads new connections over every server that set
+    /// it, so each must serve the same models.
+    #[arg(long, value_parser = triton::boolean, default_value = "false", action = ArgAction::Set)]
+    pub reuse_http_port: bool,
+
+    /// The same for the gRPC port (Triton's `--reuse-grpc-port`).
+    #[arg(long, value_parser = triton::boolean, default_value = "false", action = ArgAction::Set)]
+    pub reuse_grpc_port: bool,
 
     /// Serve HTTP (Triton's `--allow-http`; booleans take a value: true/on/1,
     /// false/off/0).
@@ -162,6 +193,40 @@ pub struct Config {
     /// a request of hundreds of images fits; lower it to bound what one call may hold.
     #[arg(long, env = "VISIONGATE_GRPC_MAX_MESSAGE_BYTES", default_value_t = i32::MAX as usize)]
     pub grpc_max_message_bytes: usize,
+
+    /// Serve gRPC over TLS (Triton's `--grpc-use-ssl`) with `--grpc-server-cert` and
+    /// `--grpc-server-key`.
+    #[arg(long, value_parser = triton::boolean, default_value = "false", action = ArgAction::Set)]
+    pub grpc_use_ssl: bool,
+
+    /// Serve gRPC over TLS and accept only clients whose certificate `--grpc-root-cert`
+    /// signed (Triton's `--grpc-use-ssl-mutual`; it implies `--grpc-use-ssl`).
+    #[arg(long, value_parser = triton::boolean, default_value = "false", action = ArgAction::Set)]
+    pub grpc_use_ssl_mutual: bool,
+
+    /// PEM file of the gRPC server's certificate chain (Triton's `--grpc-server-cert`).
+    #[arg(long)]
+    pub grpc_server_cert: Option<PathBuf>,
+
+    /// PEM file of the gRPC server's private key (Triton's `--grpc-server-key`).
+    #[arg(long)]
+    pub grpc_server_key: Option<PathBuf>,
+
+    /// PEM file of the certificates that sign clients' certificates, for
+    /// `--grpc-use-ssl-mutual` (Triton's `--grpc-root-cert`).
+    #[arg(long)]
+    pub grpc_root_cert: Option<PathBuf>,
+
+    /// Milliseconds a gRPC connection may last; then it is sent a GOAWAY, and its client
+    /// reconnects for its next call (Triton's `--grpc-max-connection-age`; spreads clients
+    /// over replicas behind a balancer). Unset: no limit.
+    #[arg(long)]
+    pub grpc_max_connection_age: Option<u64>,
+
+    /// Milliseconds the calls of a connection past its age may still run before it is
+    /// closed (Triton's `--grpc-max-connection-age-grace`). Unset: no limit.
+    #[arg(long)]
+    pub grpc_max_connection_age_grace: Option<u64>,
 
     /// gRPC connections open at once; one more is closed as it is accepted.
     #[arg(long, env = "VISIONGATE_GRPC_MAX_CONNECTIONS", default_value_t = 1024)]
@@ -238,6 +303,12 @@ pub struct Config {
     /// other files of the request still run.
     #[arg(long, env = "VISIONGATE_MAX_FILE_BYTES", default_value_t = 64 << 20)]
     pub max_file_bytes: u64,
+
+    /// Largest body of a KServe inference request over HTTP (`/v2/.../infer`), in bytes;
+    /// 413 above it (Triton's `--http-max-input-size`, whose default there is 64 MiB).
+    /// Unset: `--max-body-bytes`.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub http_max_input_size: Option<u64>,
 
     /// Largest request body in bytes (413 above it). Files are decoded while the body
     /// streams in, so memory holds only the parts waiting for a decode thread, not this.
@@ -437,38 +508,19 @@ pub struct Config {
     #[arg(long, value_parser = triton::boolean, default_value = "true", action = ArgAction::Set)]
     pub log_error: bool,
 
+    /// Write the log lines to this file (appended; created if missing) instead of
+    /// standard error (Triton's `--log-file`).
+    #[arg(long)]
+    pub log_file: Option<PathBuf>,
+
     /// Triton's `--log-format`: `ISO8601` is visiongate's format (each line starts with an
     /// ISO 8601 UTC time); `default`, Triton's glog-style lines, is accepted and keeps it.
     #[arg(long, value_enum)]
     pub log_format: Option<LogFormat>,
 
-    /// Triton's; accepted, no effect: visiongate needs every model's config.pbtxt and
-    /// completes nothing from the model file.
-    #[arg(long, value_parser = triton::boolean, action = ArgAction::Set)]
-    pub strict_model_config: Option<bool>,
-
-    /// Triton's; accepted, no effect (see `--strict-model-config`).
-    #[arg(long)]
-    pub disable_auto_complete_config: bool,
-
-    /// Triton's `[<backend>,]<setting>=<value>` (repeatable); accepted, no effect: the
-    /// one backend is built in.
-    #[arg(long, value_parser = triton::backend_setting, action = ArgAction::Append)]
-    pub backend_config: Vec<String>,
-
-    /// Triton's; accepted, no effect (libtorch allocates its own host memory).
-    #[arg(long)]
-    pub pinned_memory_pool_byte_size: Option<i64>,
-
-    /// Triton's `<gpu>:<bytes>` (repeatable); accepted, no effect (libtorch's CUDA
-    /// caching allocator manages GPU memory).
-    #[arg(long, value_parser = triton::gpu_bytes, action = ArgAction::Append)]
-    pub cuda_memory_pool_byte_size: Vec<String>,
-
-    /// Triton's; accepted, no effect (a GPU libtorch cannot run on is reported by its
-    /// model's load).
-    #[arg(long)]
-    pub min_supported_compute_capability: Option<f64>,
+    /// Triton's arguments that have no effect here: parsed, then logged as such.
+    #[command(flatten)]
+    pub no_effect: triton::NoEffect,
 }
 
 /// `--tf32`.
@@ -553,10 +605,17 @@ pub struct Settings {
 /// Where the listeners bind; `None` for one that is off (Triton's `--allow-*`).
 #[derive(Debug, Clone, Copy)]
 pub struct Listen {
-    pub host: IpAddr,
-    pub http: Option<u16>,
-    pub grpc: Option<u16>,
-    pub metrics: Option<u16>,
+    pub http: Option<Bind>,
+    pub grpc: Option<Bind>,
+    pub metrics: Option<Bind>,
+}
+
+/// Where one listener binds (port 0: a free one).
+#[derive(Debug, Clone, Copy)]
+pub struct Bind {
+    pub addr: SocketAddr,
+    /// SO_REUSEPORT (`--reuse-http-port`, `--reuse-grpc-port`).
+    pub reuse_port: bool,
 }
 
 /// How the engines run.
@@ -730,6 +789,7 @@ impl Config {
             },
             poll_interval: Duration::from_secs(self.repository_poll_secs),
             startup_models: self.load_models.clone(),
+            config_name: self.model_config_name.clone(),
             limits: Limits {
                 versions: self.max_model_versions,
                 batch_bytes: self.max_batch_bytes,
@@ -767,12 +827,7 @@ impl Config {
                 allow_client_shm: self.allow_client_shm,
                 keys,
             },
-            listen: Listen {
-                host: self.host,
-                http: self.allow_http.then_some(self.http_port),
-                grpc: self.allow_grpc.then_some(self.grpc_port),
-                metrics: self.allow_metrics.then_some(self.metrics_port),
-            },
+            listen: self.listen(),
             engine: EngineSettings {
                 intra_op_threads: self.intra_op_threads,
                 tf32: self.tf32,
@@ -792,6 +847,7 @@ impl Config {
                 max_files: self.max_files,
                 max_file_bytes: self.max_file_bytes,
                 max_body_bytes: self.max_body_bytes,
+                max_input_bytes: self.http_max_input_size.unwrap_or(self.max_body_bytes),
                 pace,
             },
             grpc: GrpcSettings {
@@ -807,6 +863,11 @@ impl Config {
                     tcp_keepalive: Duration::from_millis(self.grpc_keepalive_time),
                 },
                 pace,
+                tls: self.grpc_tls()?,
+                max_connection_age: self.grpc_max_connection_age.map(Duration::from_millis),
+                max_connection_age_grace: self
+                    .grpc_max_connection_age_grace
+                    .map(Duration::from_millis),
             },
             refresh: MetricsRefresh {
                 cpu: self.allow_cpu_metrics,
@@ -817,40 +878,68 @@ impl Config {
         })
     }
 
+    /// Where each listener binds: its own address flag, else `--host` (metrics: else
+    /// `--http-address`, as in Triton).
+    fn listen(&self) -> Listen {
+        let http = self.http_address.unwrap_or(self.host);
+        let bind = |on: bool, host: IpAddr, port: u16, reuse_port: bool| {
+            on.then_some(Bind {
+                addr: SocketAddr::new(host, port),
+                reuse_port,
+            })
+        };
+        Listen {
+            http: bind(self.allow_http, http, self.http_port, self.reuse_http_port),
+            grpc: bind(
+                self.allow_grpc,
+                self.grpc_address.unwrap_or(self.host),
+                self.grpc_port,
+                self.reuse_grpc_port,
+            ),
+            metrics: bind(
+                self.allow_metrics,
+                self.metrics_address.unwrap_or(http),
+                self.metrics_port,
+                false,
+            ),
+        }
+    }
+
+    /// The gRPC listener's TLS, as Triton reads its flags: `--grpc-use-ssl-mutual` implies
+    /// `--grpc-use-ssl` and needs `--grpc-root-cert`; the certificate flags are ignored
+    /// without either.
+    fn grpc_tls(&self) -> Result<Option<crate::grpc::tls::TlsAcceptor>, String> {
+        if !self.grpc_use_ssl && !self.grpc_use_ssl_mutual {
+            return Ok(None);
+        }
+        let flag = if self.grpc_use_ssl_mutual {
+            "--grpc-use-ssl-mutual"
+        } else {
+            "--grpc-use-ssl"
+        };
+        let (Some(cert), Some(key)) = (&self.grpc_server_cert, &self.grpc_server_key) else {
+            return Err(format!(
+                "{flag}=true needs --grpc-server-cert and --grpc-server-key (PEM files)"
+            ));
+        };
+        let roots = if self.grpc_use_ssl_mutual {
+            Some(self.grpc_root_cert.as_deref().ok_or(
+                "--grpc-use-ssl-mutual=true needs --grpc-root-cert (PEM file of the \
+                 certificates that sign clients' certificates)",
+            )?)
+        } else {
+            None
+        };
+        crate::grpc::tls::acceptor(cert, key, roots).map(Some)
+    }
+
     /// One log line for each Triton argument given that has no effect here.
     fn log_ignored(&self, metrics: &MetricsConfig) {
-        let mut ignored: Vec<(&str, &str)> = Vec::new();
-        if self.strict_model_config.is_some() || self.disable_auto_complete_config {
-            ignored.push((
-                "--strict-model-config / --disable-auto-complete-config",
-                "every model needs its config.pbtxt; nothing is completed from the model file",
-            ));
-        }
+        let mut ignored = self.no_effect.given();
         if self.log_format == Some(LogFormat::Default) {
             ignored.push((
                 "--log-format=default",
                 "log lines keep visiongate's format, which starts with an ISO 8601 time",
-            ));
-        }
-        if !self.backend_config.is_empty() {
-            ignored.push(("--backend-config", "the one backend (libtorch) is built in"));
-        }
-        if self.pinned_memory_pool_byte_size.is_some() {
-            ignored.push((
-                "--pinned-memory-pool-byte-size",
-                "libtorch allocates its own host memory",
-            ));
-        }
-        if !self.cuda_memory_pool_byte_size.is_empty() {
-            ignored.push((
-                "--cuda-memory-pool-byte-size",
-                "libtorch's CUDA caching allocator manages GPU memory",
-            ));
-        }
-        if self.min_supported_compute_capability.is_some() {
-            ignored.push((
-                "--min-supported-compute-capability",
-                "a GPU libtorch cannot use fails its model's load with the reason",
             ));
         }
         for (flag, why) in ignored {
@@ -911,7 +1000,10 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.model_repository, [PathBuf::from("models")]);
-        assert_eq!((c.strict_model_config, c.log_verbose), (Some(false), 1));
+        assert_eq!(
+            (c.no_effect.strict_model_config, c.log_verbose),
+            (Some(false), 1)
+        );
 
         let c = parse(&[
             "--model-control-mode",
@@ -934,7 +1026,7 @@ mod tests {
         assert_eq!(c.model_control_mode, ControlMode::Poll);
         assert_eq!(c.repository_poll_secs, 30);
         assert_eq!(c.model_repository, [PathBuf::from("a"), PathBuf::from("b")]);
-        assert!(!c.allow_grpc && c.allow_http && c.disable_auto_complete_config);
+        assert!(!c.allow_grpc && c.allow_http && c.no_effect.disable_auto_complete_config);
         assert_eq!(c.http_workers, 3);
         assert_eq!(c.log_format, Some(LogFormat::Iso8601));
 
@@ -949,6 +1041,228 @@ mod tests {
         assert!(parse(&["--allow-http"]).is_err());
         assert!(parse(&["--exit-on-error=maybe"]).is_err());
         assert!(parse(&["--no-such-flag=1"]).is_err());
+    }
+
+    /// Every option of `tritonserver` (its command-line parser, release 2.73) but
+    /// `--model-repository` and `--help`, each with a value a manifest would carry.
+    pub(crate) const TRITONSERVER_OPTIONS: &[&str] = &[
+        "--id=triton-prod",
+        "--exit-timeout-secs=30",
+        "--model-store=models",
+        "--exit-on-error=true",
+        "--disable-auto-complete-config",
+        "--strict-readiness=true",
+        "--model-control-mode=poll",
+        "--repository-poll-secs=15",
+        "--load-model=classifier",
+        "--model-config-name=h100",
+        "--model-load-thread-count=4",
+        "--model-load-retry-count=2",
+        "--model-namespacing=false",
+        "--enable-peer-access=true",
+        "--allow-http=true",
+        "--http-address=0.0.0.0",
+        "--http-port=8000",
+        "--reuse-http-port=true",
+        "--http-header-forward-pattern=x-request-.*",
+        "--http-thread-count=8",
+        "--http-max-input-size=67108864",
+        "--http-restricted-api=model-repository:admin-key=s3cret",
+        "--allow-grpc=true",
+        "--grpc-address=[::]",
+        "--grpc-port=8001",
+        "--reuse-grpc-port=true",
+        "--grpc-header-forward-pattern=x-request-.*",
+        "--grpc-infer-thread-count=2",
+        "--grpc-infer-allocation-pool-size=8",
+        "--grpc-max-response-pool-size=64",
+        "--grpc-use-ssl=false",
+        "--grpc-use-ssl-mutual=false",
+        "--grpc-server-cert=/certs/server.crt",
+        "--grpc-server-key=/certs/server.key",
+        "--grpc-root-cert=/certs/ca.crt",
+        "--grpc-infer-response-compression-level=high",
+        "--grpc-keepalive-time=7200000",
+        "--grpc-keepalive-timeout=20000",
+        "--grpc-keepalive-permit-without-calls=true",
+        "--grpc-http2-max-pings-without-data=2",
+        "--grpc-http2-min-recv-ping-interval-without-data=300000",
+        "--grpc-http2-max-ping-strikes=2",
+        "--grpc-max-connection-age=3600000",
+        "--grpc-max-connection-age-grace=30000",
+        "--grpc-restricted-protocol=model-repository:admin-key=s3cret",
+        "--log-verbose=1",
+        "--log-info=true",
+        "--log-warning=true",
+        "--log-error=true",
+        "--log-format=ISO8601",
+        "--log-file=/var/log/triton.log",
+        "--allow-sagemaker=true",
+        "--sagemaker-port=8080",
+        "--sagemaker-safe-port-range=8081-8082",
+        "--sagemaker-thread-count=8",
+        "--allow-vertex-ai=true",
+        "--vertex-ai-port=8080",
+        "--vertex-ai-thread-count=8",
+        "--vertex-ai-default-model=ensemble_model",
+        "--allow-metrics=true",
+        "--allow-gpu-metrics=true",
+        "--allow-cpu-metrics=true",
+        "--metrics-address=0.0.0.0",
+        "--metrics-port=8002",
+        "--metrics-interval-ms=2000",
+        "--metrics-config=summary_latencies=true",
+        "--trace-config=opentelemetry,url=http://collector:4318/v1/traces",
+        "--cache-config=local,size=1048576",
+        "--cache-directory=/opt/tritonserver/caches",
+        "--rate-limit=execution_count",
+        "--rate-limit-resource=R1:10:0",
+        "--pinned-memory-pool-byte-size=268435456",
+        "--cuda-memory-pool-byte-size=0:67108864",
+        "--cuda-virtual-address-size=0:1073741824",
+        "--min-supported-compute-capability=6.0",
+        "--buffer-manager-thread-count=0",
+        "--host-policy=gpu_0,numa-node=0",
+        "--model-load-gpu-limit=0:0.8",
+        "--allow-client-shm=false",
+        "--backend-directory=/opt/tritonserver/backends",
+        "--backend-config=pytorch,default-max-batch-size=8",
+        "--repoagent-directory=/opt/tritonserver/repoagents",
+        "--strict-model-config=false",
+        "--response-cache-byte-size=1048576",
+        "--trace-file=/tmp/trace.json",
+        "--trace-level=TIMESTAMPS",
+        "--trace-rate=1000",
+        "--trace-count=-1",
+        "--trace-log-frequency=0",
+    ];
+
+    #[test]
+    fn every_tritonserver_option_is_accepted_alone() {
+        let m = models();
+        for option in TRITONSERVER_OPTIONS {
+            let mut args = vec![format!("--model-repository={m}")];
+            if option.starts_with("--load-model") {
+                args.push("--model-control-mode=explicit".into());
+            }
+            args.push(option.to_string());
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let config = parse(&args).unwrap_or_else(|e| panic!("{option}: {e}"));
+            config
+                .validate()
+                .unwrap_or_else(|e| panic!("{option}: {e}"));
+        }
+        // What a value means where visiongate honours it.
+        let s = parse(&[
+            &format!("--model-repository={m}"),
+            "--host=127.0.0.1",
+            "--grpc-address=[::1]",
+            "--http-address=0.0.0.0",
+            "--reuse-grpc-port=1",
+            "--http-max-input-size=1000",
+            "--model-config-name=h100",
+            "--grpc-max-connection-age=5000",
+        ])
+        .unwrap()
+        .validate()
+        .unwrap();
+        let (http, grpc, metrics) = (
+            s.listen.http.unwrap(),
+            s.listen.grpc.unwrap(),
+            s.listen.metrics.unwrap(),
+        );
+        assert_eq!(http.addr.to_string(), "0.0.0.0:8000");
+        assert_eq!(grpc.addr.to_string(), "[::1]:8001");
+        // Triton's metrics address defaults to the HTTP address.
+        assert_eq!(metrics.addr.to_string(), "0.0.0.0:8002");
+        assert!(grpc.reuse_port && !http.reuse_port);
+        assert_eq!(s.limits.max_input_bytes, 1000);
+        assert_eq!(s.limits.max_body_bytes, 4 << 30);
+        assert_eq!(s.control.config_name.as_deref(), Some("h100"));
+        assert_eq!(s.grpc.max_connection_age, Some(Duration::from_secs(5)));
+        assert!(s.grpc.tls.is_none());
+        // Given twice, the last value counts (as tritonserver's parser).
+        assert_eq!(
+            parse(&["--http-port=1", "--http-port=2"])
+                .unwrap()
+                .http_port,
+            2
+        );
+        // Every no-effect option given is named in the log, once.
+        let c = parse(TRITONSERVER_OPTIONS).unwrap();
+        let given = c.no_effect.given();
+        for flag in [
+            "--trace-config",
+            "--rate-limit",
+            "--allow-sagemaker",
+            "--host-policy",
+        ] {
+            assert_eq!(
+                given.iter().filter(|(f, _)| *f == flag).count(),
+                1,
+                "{flag}"
+            );
+        }
+    }
+
+    #[test]
+    fn option_values_tritonserver_would_refuse_are_refused_naming_the_option() {
+        for (bad, says) in [
+            ("--http-address=localhost:80", "--http-address"),
+            ("--model-config-name=../x", "--model-config-name"),
+            ("--model-config-name=a b", "--model-config-name"),
+            ("--rate-limit=sometimes", "--rate-limit"),
+            ("--rate-limit-resource=R1", "--rate-limit-resource"),
+            ("--trace-level=LOUD", "--trace-level"),
+            ("--trace-config=level", "--trace-config"),
+            (
+                "--sagemaker-safe-port-range=9-1",
+                "--sagemaker-safe-port-range",
+            ),
+            ("--model-load-gpu-limit=0:1.5", "--model-load-gpu-limit"),
+            (
+                "--http-header-forward-pattern=(",
+                "--http-header-forward-pattern",
+            ),
+            (
+                "--grpc-infer-response-compression-level=max",
+                "--grpc-infer-response-compression-level",
+            ),
+            ("--http-max-input-size=0", "--http-max-input-size"),
+            ("--reuse-http-port", "--reuse-http-port"),
+        ] {
+            let err = parse(&[bad]).unwrap_err();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+        let m = models();
+        for (args, says) in [
+            (
+                vec!["--grpc-use-ssl=true"],
+                "--grpc-server-cert and --grpc-server-key",
+            ),
+            (
+                vec![
+                    "--grpc-use-ssl-mutual=true",
+                    "--grpc-server-cert=a",
+                    "--grpc-server-key=b",
+                ],
+                "--grpc-root-cert",
+            ),
+            (
+                vec![
+                    "--grpc-use-ssl=true",
+                    "--grpc-server-cert=/no/such/cert.pem",
+                    "--grpc-server-key=/no/such/key.pem",
+                ],
+                "--grpc-server-cert /no/such/cert.pem",
+            ),
+        ] {
+            let mut all = vec![format!("--model-repository={m}")];
+            all.extend(args.iter().map(|a| a.to_string()));
+            let all: Vec<&str> = all.iter().map(String::as_str).collect();
+            let err = parse(&all).unwrap().validate().unwrap_err();
+            assert!(err.contains(says), "{args:?}: {err}");
+        }
     }
 
     #[test]

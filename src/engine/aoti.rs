@@ -1,5 +1,6 @@
 //! torch.export packages (`.pt2`, Triton's platform `torch_aoti`) through libtorch's
-//! AOTInductor package loader (`aoti_shim.cpp`, built by build.rs). A package is compiled
+//! AOTInductor package loader (`aoti_shim.cpp`, built by build.rs), which reads the package
+//! as `package.rs` checked and unpacked it. A package is compiled
 //! code for one device kind and CPU instruction set, and checks nothing of its input when
 //! it runs: what it was built for and the batch range it was exported with are read from
 //! its metadata and checked against the instance and the config before it loads, and each
@@ -14,7 +15,6 @@ use super::{EngineSpec, FileErrors};
 extern "C" {
     fn vg_aoti_last_error() -> *const c_char;
     fn vg_torch_version() -> *const c_char;
-    fn vg_aoti_metadata(path: *const c_char) -> *const c_char;
     fn vg_aoti_load(
         path: *const c_char,
         device_index: c_int,
@@ -30,6 +30,8 @@ extern "C" {
 
 /// Metadata keys visiongate's exporter writes (`aot_inductor.metadata`) and reads here; a
 /// user's package may carry them too (docs/model-repository.md).
+/// The name AOTInductor gives the model inside every package it writes.
+const MODEL: &str = "model";
 const TORCH_VERSION: &str = "torch_version";
 const BATCH_MIN: &str = "batch_min";
 const BATCH_MAX: &str = "batch_max";
@@ -54,28 +56,13 @@ pub fn torch_version() -> String {
         .into_owned()
 }
 
-/// A package's metadata: AOTInductor's own keys (`AOTI_DEVICE_KEY`, `AOTI_CPU_ISA`, ...)
-/// and the exporter's.
-fn metadata(path: &CString) -> Result<HashMap<String, String>, String> {
-    // SAFETY: `path` is NUL-terminated; the result is this thread's string, copied at once.
-    let text = unsafe { vg_aoti_metadata(path.as_ptr()) };
-    if text.is_null() {
-        return Err(last_error());
-    }
-    // SAFETY: non-null, NUL-terminated, owned by this thread until its next call.
-    let text = unsafe { CStr::from_ptr(text) }.to_string_lossy();
-    Ok(text
-        .lines()
-        .filter_map(|line| line.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect())
-}
-
 /// One loaded package, run by the instance thread that owns it.
 pub struct Package {
     handle: *mut c_void,
     /// The batch sizes it was exported for (`None`: the package does not say).
     batches: Option<(usize, usize)>,
+    /// The files the loader reads, removed once it is freed.
+    _unpacked: super::package::Unpacked,
 }
 
 // SAFETY: the loader is used by one thread at a time (its engine's owner); libtorch's
@@ -97,16 +84,9 @@ impl Package {
         gpu: Option<u32>,
         errors: &FileErrors,
     ) -> Result<Self, super::EngineError> {
-        let path = CString::new(spec.file.as_os_str().as_encoded_bytes())
-            .map_err(|_| errors.error("the path holds a NUL byte"))?;
-        let metadata = metadata(&path).map_err(|e| {
-            if e.contains("zip archive") {
-                // miniz's words alone ("failed finding central directory") do not say it.
-                errors.error(format!("not a torch.export package (a zip archive): {e}"))
-            } else {
-                errors.error(e)
-            }
-        })?;
+        // The zip's directory and the metadata are checked before anything is unpacked.
+        let mut package = super::package::open(&spec.file).map_err(|e| errors.error(e))?;
+        let metadata = package.metadata(MODEL).map_err(|e| errors.error(e))?;
         let batches = check_metadata(&metadata, spec, gpu).map_err(|e| errors.error(e))?;
         if batches.is_none() {
             tracing::warn!(
@@ -115,6 +95,9 @@ impl Package {
                  {BATCH_MAX} in aot_inductor.metadata): the config's max_batch_size is trusted"
             );
         }
+        let unpacked = package.unpack().map_err(|e| errors.error(e))?;
+        let path = CString::new(unpacked.dir.as_os_str().as_encoded_bytes())
+            .map_err(|_| errors.error("the temporary directory's path holds a NUL byte"))?;
         let index = gpu.map_or(-1, |i| i as c_int);
         // SAFETY: `path` is NUL-terminated and the stub is a static byte slice; a null
         // result is a failure the shim describes.
@@ -129,7 +112,11 @@ impl Package {
         if handle.is_null() {
             return Err(errors.error(last_error()));
         }
-        Ok(Package { handle, batches })
+        Ok(Package {
+            handle,
+            batches,
+            _unpacked: unpacked,
+        })
     }
 
     /// The model's output for `input` (FP32 `[N, 3, H, W]`, contiguous, on its device).

@@ -1,6 +1,6 @@
 // libtorch's AOTInductor package loader (torch.export packages, `.pt2`) as a few C functions
-// for src/engine/aoti.rs: read a package's metadata, load it onto a device, run it on one
-// tensor, free it. Errors are c10's short messages (no C++ backtrace), kept per thread.
+// for src/engine/aoti.rs: load an unpacked package onto a device, run it on one tensor, free
+// it. Errors are c10's short messages (no C++ backtrace), kept per thread.
 #include <ATen/Tensor.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
@@ -24,9 +24,8 @@
 
 namespace {
 thread_local std::string aoti_error;
-thread_local std::string aoti_text;
 
-// The name AOTInductor gives the model inside every package it writes.
+// The name AOTInductor gives the model inside every package it writes (aoti.rs: MODEL).
 const char* const kModel = "model";
 
 template <typename F>
@@ -90,23 +89,8 @@ const char* vg_aoti_last_error() { return aoti_error.c_str(); }
 // The libtorch version this binary runs on ("2.13.0").
 const char* vg_torch_version() { return TORCH_VERSION; }
 
-// The package's metadata (AOTInductor's and what the exporter added) as "key=value" lines,
-// read without loading its model; null on failure. Valid until the thread's next call.
-const char* vg_aoti_metadata(const char* path) {
-  return guarded(
-      [&]() -> const char* {
-        auto metadata =
-            torch::inductor::AOTIModelPackageLoader::load_metadata_from_package(path, kModel);
-        aoti_text.clear();
-        for (const auto& [key, value] : metadata) {
-          aoti_text += key + "=" + value + "\n";
-        }
-        return aoti_text.c_str();
-      },
-      nullptr);
-}
-
-// The package's model loaded onto CUDA device `device_index`, or the CPU (-1); null on
+// The package's model, from the directory it was unpacked into (`path`; see
+// src/engine/package.rs), loaded onto CUDA device `device_index`, or the CPU (-1); null on
 // failure. One runner: the instance thread that owns it runs one batch at a time.
 // `stub`: the libtorch.so stub's bytes (see open_libtorch_stub).
 void* vg_aoti_load(const char* path, int device_index, const unsigned char* stub, size_t stub_len) {

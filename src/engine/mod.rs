@@ -14,6 +14,8 @@ pub mod nvjpeg;
 #[cfg(feature = "onnx")]
 mod onnx;
 #[cfg(feature = "torch")]
+mod package;
+#[cfg(feature = "torch")]
 mod torch;
 
 pub use fake::{FakeEngine, FakeFaults, Gate};

@@ -21,10 +21,12 @@ use http_body::Frame;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{Instant, Sleep};
+use tokio_rustls::server::TlsStream;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tonic::body::Body;
 use tonic::Status;
 
+use super::tls::TlsAcceptor;
 use crate::error::GatewayError;
 use crate::pace::{BodyPace, Budget, Step};
 use crate::state::{Drain, Endpoint, Restrictions, Work};
@@ -111,21 +113,24 @@ impl Drop for Place {
 }
 
 /// The accepted connections, refused past `max_connections` (or `per_peer` from one
-/// address), until the listener is dropped.
+/// address), until the stream is dropped (then the listener closes). With `tls`, each
+/// connection's TLS handshake runs on its own task within `handshake` and holds its place
+/// meanwhile; a connection whose handshake fails or is late is closed.
 pub fn incoming(
     listener: TcpListener,
     limits: ConnLimits,
+    tls: Option<TlsAcceptor>,
     kill: CancellationToken,
 ) -> impl Stream<Item = io::Result<Conn>> {
     let places = Arc::new(Places {
         limits,
         held: Mutex::new((0, HashMap::new())),
     });
-    futures_util::stream::unfold(listener, move |listener| {
-        let (places, kill) = (places.clone(), kill.clone());
-        async move {
-            loop {
-                let (io, peer) = match listener.accept().await {
+    let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Conn>>(1);
+    tokio::spawn(async move {
+        loop {
+            let (io, peer) = tokio::select! {
+                accepted = listener.accept() => match accepted {
                     Ok(accepted) => accepted,
                     Err(e) => {
                         // Out of descriptors, say: wait instead of spinning.
@@ -133,30 +138,104 @@ pub fn incoming(
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
-                };
-                let place = match places.take(peer.ip().to_canonical()) {
-                    Ok(place) => place,
-                    Err(limit) => {
-                        tracing::debug!(%peer, "gRPC connection closed: {limit} reached");
-                        continue;
-                    }
-                };
-                let keepalive = socket2::TcpKeepalive::new()
-                    .with_time(limits.tcp_keepalive)
-                    .with_interval(limits.tcp_keepalive);
-                if let Err(e) = socket2::SockRef::from(&io).set_tcp_keepalive(&keepalive) {
-                    tracing::debug!(%peer, "no TCP keepalive on a gRPC connection: {e}");
+                },
+                () = tx.closed() => return,
+            };
+            let place = match places.take(peer.ip().to_canonical()) {
+                Ok(place) => place,
+                Err(limit) => {
+                    tracing::debug!(%peer, "gRPC connection closed: {limit} reached");
+                    continue;
                 }
-                let _ = io.set_nodelay(true);
-                return Some((Ok(Conn::new(io, place, limits, kill)), listener));
+            };
+            let keepalive = socket2::TcpKeepalive::new()
+                .with_time(limits.tcp_keepalive)
+                .with_interval(limits.tcp_keepalive);
+            if let Err(e) = socket2::SockRef::from(&io).set_tcp_keepalive(&keepalive) {
+                tracing::debug!(%peer, "no TCP keepalive on a gRPC connection: {e}");
             }
+            let _ = io.set_nodelay(true);
+            let Some(tls) = &tls else {
+                let conn = Conn::new(Io::Plain(io), place, limits, kill.clone());
+                if tx.send(Ok(conn)).await.is_err() {
+                    return;
+                }
+                continue;
+            };
+            let (tls, tx, kill) = (tls.clone(), tx.clone(), kill.clone());
+            tokio::spawn(async move {
+                let handshake = tokio::time::timeout(limits.handshake, tls.accept(io));
+                let io = tokio::select! {
+                    done = handshake => match done {
+                        Ok(Ok(io)) => io,
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, "gRPC TLS handshake failed: {e}");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!(%peer, "gRPC TLS handshake not done within the handshake timeout");
+                            return;
+                        }
+                    },
+                    () = kill.cancelled() => return,
+                };
+                let conn = Conn::new(Io::Tls(Box::new(io)), place, limits, kill);
+                let _ = tx.send(Ok(conn)).await;
+            });
         }
-    })
+    });
+    futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) })
+}
+
+/// A connection's bytes: as they come, or through TLS.
+enum Io {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for Io {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Plain(io) => Pin::new(io).poll_read(cx, buf),
+            Io::Tls(io) => Pin::new(io).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Io {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Io::Plain(io) => Pin::new(io).poll_write(cx, buf),
+            Io::Tls(io) => Pin::new(io).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Plain(io) => Pin::new(io).poll_flush(cx),
+            Io::Tls(io) => Pin::new(io).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Plain(io) => Pin::new(io).poll_shutdown(cx),
+            Io::Tls(io) => Pin::new(io).poll_shutdown(cx),
+        }
+    }
 }
 
 /// One accepted connection.
 pub struct Conn {
-    io: TcpStream,
+    io: Io,
     _place: Place,
     /// Until the client's first call.
     handshake: Option<Pin<Box<Sleep>>>,
@@ -167,7 +246,7 @@ pub struct Conn {
 }
 
 impl Conn {
-    fn new(io: TcpStream, place: Place, limits: ConnLimits, kill: CancellationToken) -> Conn {
+    fn new(io: Io, place: Place, limits: ConnLimits, kill: CancellationToken) -> Conn {
         Conn {
             io,
             _place: place,

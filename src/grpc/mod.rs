@@ -4,6 +4,7 @@
 mod conn;
 pub(crate) mod convert;
 mod service;
+pub mod tls;
 mod wire;
 
 use std::time::Duration;
@@ -24,7 +25,7 @@ pub mod pb {
 }
 
 /// How the gRPC listener treats its clients.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub struct GrpcSettings {
     /// Largest message, received or sent.
     pub max_message_bytes: usize,
@@ -36,6 +37,28 @@ pub struct GrpcSettings {
     pub keepalive_timeout: Duration,
     pub connections: ConnLimits,
     pub pace: BodyPace,
+    /// TLS (`--grpc-use-ssl`), `None` for plain connections.
+    pub tls: Option<tls::TlsAcceptor>,
+    /// A connection's age at which it is sent a GOAWAY (`--grpc-max-connection-age`), and
+    /// how long its calls may then still run (`--grpc-max-connection-age-grace`).
+    pub max_connection_age: Option<Duration>,
+    pub max_connection_age_grace: Option<Duration>,
+}
+
+impl std::fmt::Debug for GrpcSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrpcSettings")
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("max_concurrent_streams", &self.max_concurrent_streams)
+            .field("keepalive_time", &self.keepalive_time)
+            .field("keepalive_timeout", &self.keepalive_timeout)
+            .field("connections", &self.connections)
+            .field("pace", &self.pace)
+            .field("tls", &self.tls.is_some())
+            .field("max_connection_age", &self.max_connection_age)
+            .field("max_connection_age_grace", &self.max_connection_age_grace)
+            .finish()
+    }
 }
 
 /// Serves on `listener` until `shutdown` resolves, then drains (calls under way finish;
@@ -52,7 +75,14 @@ pub async fn serve(
     let server = pb::grpc_inference_service_server::GrpcInferenceServiceServer::new(service)
         .max_decoding_message_size(settings.max_message_bytes)
         .max_encoding_message_size(settings.max_message_bytes);
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(age) = settings.max_connection_age {
+        builder = builder.max_connection_age(age);
+    }
+    if let Some(grace) = settings.max_connection_age_grace {
+        builder = builder.max_connection_age_grace(grace);
+    }
+    builder
         .max_concurrent_streams(Some(settings.max_concurrent_streams))
         .http2_keepalive_interval(Some(settings.keepalive_time))
         .http2_keepalive_timeout(Some(settings.keepalive_timeout))
@@ -66,7 +96,7 @@ pub async fn serve(
         })
         .add_service(server)
         .serve_with_incoming_shutdown(
-            conn::incoming(listener, settings.connections, kill),
+            conn::incoming(listener, settings.connections, settings.tls, kill),
             shutdown,
         )
         .await

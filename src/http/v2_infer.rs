@@ -57,7 +57,7 @@ pub async fn infer(
 ) -> Result<HttpResponse, GatewayError> {
     // A stopping server finishes this request before it closes the listeners.
     let _work = state.drain.admit()?;
-    body::check_length(req.headers(), state.limits.max_body_bytes)?;
+    body::check_length(req.headers(), state.limits.max_input_bytes)?;
     let InferPath { model, version } = path.into_inner();
     run(req, model, version, payload, state).await
 }
@@ -96,7 +96,7 @@ async fn run(
 }
 
 async fn read_body(payload: web::Payload, limits: &UploadLimits) -> Result<Bytes, GatewayError> {
-    let limit = limits.max_body_bytes;
+    let limit = limits.max_input_bytes;
     let mut payload = body::Paced::new(payload, limits.pace);
     let mut body = BytesMut::new();
     while let Some(chunk) = payload.next().await {

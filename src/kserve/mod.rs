@@ -213,7 +213,10 @@ pub fn repository_index(state: &AppState, ready_only: bool) -> Vec<IndexEntry> {
             .entry(name)
             .is_some_and(|e| !e.served.is_empty() || e.unavailable.is_some())
     };
-    let never_loaded = crate::repository::model_names(&state.registry.repositories.roots())
+    let never_loaded = state
+        .registry
+        .repositories
+        .model_names()
         .into_iter()
         .filter(|name| !known(name))
         .map(|name| IndexEntry {

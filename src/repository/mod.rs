@@ -144,16 +144,37 @@ pub struct ScanResult {
     pub failures: Vec<LoadFailure>,
 }
 
-/// The model directories (those with a `config.pbtxt`) of every repository in `roots`,
-/// by name, sorted; a name found in more than one repository comes once per repository.
-/// Only an unreadable repository is an error.
-fn model_dirs(roots: &[PathBuf]) -> Result<Vec<(String, PathBuf)>, RepositoryError> {
+/// The config file of the model in `dir`, relative to it (`sub` directory, file name):
+/// `configs/<config_name>.pbtxt` where `--model-config-name` names one and it exists, else
+/// `config.pbtxt`; `None` when neither exists.
+fn config_file(dir: &Path, config_name: Option<&str>) -> Option<(&'static str, String)> {
+    if let Some(name) = config_name {
+        let file = format!("{name}.pbtxt");
+        if dir.join(CUSTOM_CONFIGS).join(&file).is_file() {
+            return Some((CUSTOM_CONFIGS, file));
+        }
+    }
+    dir.join("config.pbtxt")
+        .is_file()
+        .then(|| ("", "config.pbtxt".to_string()))
+}
+
+/// Where `--model-config-name` configs are, in a model's directory (Triton's).
+const CUSTOM_CONFIGS: &str = "configs";
+
+/// The model directories (those with a config file: [`config_file`]) of every repository
+/// in `roots`, by name, sorted; a name found in more than one repository comes once per
+/// repository. Only an unreadable repository is an error.
+fn model_dirs(
+    roots: &[PathBuf],
+    config_name: Option<&str>,
+) -> Result<Vec<(String, PathBuf)>, RepositoryError> {
     let mut dirs = Vec::new();
     for root in roots {
         for entry in std::fs::read_dir(root).map_err(RepositoryError::Root)? {
             let Ok(entry) = entry else { continue };
             let dir = entry.path();
-            if dir.is_dir() && dir.join("config.pbtxt").is_file() {
+            if dir.is_dir() && config_file(&dir, config_name).is_some() {
                 dirs.push((entry.file_name().to_string_lossy().into_owned(), dir));
             }
         }
@@ -165,8 +186,12 @@ fn model_dirs(roots: &[PathBuf]) -> Result<Vec<(String, PathBuf)>, RepositoryErr
 /// Reads every model directory of the repositories `roots`. Only an unreadable repository
 /// is an error; a broken model becomes a [`LoadFailure`] and the rest load. A model name
 /// found in more than one repository is not served (as in Triton).
-pub fn scan(roots: &[PathBuf], limits: &Limits) -> Result<ScanResult, RepositoryError> {
-    let dirs = model_dirs(roots)?;
+pub fn scan(
+    roots: &[PathBuf],
+    config_name: Option<&str>,
+    limits: &Limits,
+) -> Result<ScanResult, RepositoryError> {
+    let dirs = model_dirs(roots, config_name)?;
     let mut result = ScanResult::default();
     for copies in dirs.chunk_by(|a, b| a.0 == b.0) {
         let (name, dir) = &copies[0];
@@ -180,7 +205,7 @@ pub fn scan(roots: &[PathBuf], limits: &Limits) -> Result<ScanResult, Repository
                 ),
             })
         } else {
-            load_model(dir, name, limits)
+            load_model(dir, name, config_name, limits)
         };
         match loaded {
             Ok(versions) => result.models.extend(versions),
@@ -195,11 +220,11 @@ pub fn scan(roots: &[PathBuf], limits: &Limits) -> Result<ScanResult, Repository
 }
 
 /// The directory of model `name` in the repositories `roots`, when exactly one has it.
-pub fn model_dir(roots: &[PathBuf], name: &str) -> Option<PathBuf> {
+pub fn model_dir(roots: &[PathBuf], config_name: Option<&str>, name: &str) -> Option<PathBuf> {
     let mut found = roots
         .iter()
         .map(|root| root.join(name))
-        .filter(|dir| dir.join("config.pbtxt").is_file());
+        .filter(|dir| config_file(dir, config_name).is_some());
     let dir = found.next()?;
     found.next().is_none().then_some(dir)
 }
@@ -238,15 +263,20 @@ pub fn fingerprint(dir: &Path) -> u64 {
 fn load_model(
     dir: &Path,
     name: &str,
+    config_name: Option<&str>,
     limits: &Limits,
 ) -> Result<Vec<RepositoryModel>, RepositoryError> {
     // Before reading: a file changed while it is read shows as a change at the next poll.
     let print = fingerprint(dir);
+    let (sub, file) = config_file(dir, config_name).ok_or_else(|| RepositoryError::Io {
+        path: dir.join("config.pbtxt"),
+        source: std::io::ErrorKind::NotFound.into(),
+    })?;
     let text =
-        spec::read_whole_model_file(dir, name, "config.pbtxt", "config.pbtxt", MAX_CONFIG_BYTES)?;
+        spec::read_whole_model_file(dir, sub, name, "config.pbtxt", &file, MAX_CONFIG_BYTES)?;
     let text = String::from_utf8(text).map_err(|_| RepositoryError::Parse {
         model: name.to_string(),
-        message: "config.pbtxt is not UTF-8 text".into(),
+        message: format!("{} is not UTF-8 text", Path::new(sub).join(&file).display()),
     })?;
     versions(dir, name, parse_model_config(name, &text)?, print, limits)
 }
@@ -256,8 +286,8 @@ const MAX_CONFIG_BYTES: usize = 1 << 20;
 
 /// Names of the model directories in the repositories `roots` (those with a
 /// `config.pbtxt`), sorted, once each, loaded or not.
-pub fn model_names(roots: &[PathBuf]) -> Vec<String> {
-    let mut names: Vec<String> = model_dirs(roots)
+pub fn model_names(roots: &[PathBuf], config_name: Option<&str>) -> Vec<String> {
+    let mut names: Vec<String> = model_dirs(roots, config_name)
         .unwrap_or_default()
         .into_iter()
         .map(|(name, _)| name)

@@ -38,6 +38,8 @@ pub struct ControlSettings {
     pub startup_models: Vec<String>,
     /// What a model's config may ask for.
     pub limits: repository::Limits,
+    /// `--model-config-name`: models read `configs/<name>.pbtxt` where they have it.
+    pub config_name: Option<String>,
 }
 
 /// A load or unload request parameter, as both transports carry them.
@@ -190,10 +192,10 @@ impl Registry {
                 format!("failed to load '{name}': {}", f.error),
             ));
         }
-        let (roots, model) = (self.repositories.roots(), name.to_string());
+        let (dir, model) = (self.repositories.model_dir(name), name.to_string());
         let scan = tokio::task::spawn_blocking(move || {
             if let Some(json) = config {
-                let Some(dir) = repository::model_dir(&roots, &model) else {
+                let Some(dir) = dir else {
                     return Err(GatewayError::invalid(format!(
                         "no model directory '{model}' in the repository (or in more than one)"
                     )));

@@ -33,6 +33,9 @@ pub struct UploadLimits {
     pub max_files: usize,
     pub max_file_bytes: u64,
     pub max_body_bytes: u64,
+    /// Of a KServe inference request over HTTP (`--http-max-input-size`, else
+    /// `max_body_bytes`).
+    pub max_input_bytes: u64,
     pub pace: BodyPace,
 }
 

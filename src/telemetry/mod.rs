@@ -42,11 +42,27 @@ impl LogLevels {
     }
 }
 
-/// Logs to stdout: as `RUST_LOG` says when it is set, else as `levels` say.
-pub fn init(levels: LogLevels) {
+/// Logs to stdout, or appended to `file` (`--log-file`, created if missing): as
+/// `RUST_LOG` says when it is set, else as `levels` say.
+pub fn init(levels: LogLevels, file: Option<&std::path::Path>) -> Result<(), String> {
     use tracing_subscriber::filter::{filter_fn, LevelFilter};
+    use tracing_subscriber::fmt::writer::BoxMakeWriter;
     use tracing_subscriber::prelude::*;
-    let fmt = tracing_subscriber::fmt::layer().with_target(false);
+    let writer = match file {
+        Some(path) => {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|e| format!("--log-file {}: {e}", path.display()))?;
+            BoxMakeWriter::new(std::sync::Mutex::new(file))
+        }
+        None => BoxMakeWriter::new(std::io::stdout),
+    };
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_target(false)
+        .with_ansi(file.is_none())
+        .with_writer(writer);
     let _ = match tracing_subscriber::EnvFilter::try_from_default_env() {
         Ok(env) => tracing_subscriber::registry()
             .with(fmt.with_filter(env))
@@ -64,6 +80,7 @@ pub fn init(levels: LogLevels) {
                 .try_init()
         }
     };
+    Ok(())
 }
 
 /// The `reason` labels of `nv_inference_request_failure`: Triton's four, and the refusals

@@ -44,15 +44,14 @@ def free_port():
 
 
 class Server:
-    def __init__(self, *args, repository=True, cwd=None, env=None):
+    def __init__(self, *args, repository=True, cwd=None, env=None, ports=None):
         """`args` follow the test's ports; `repository=False` leaves out the bundled
         repository (the test names its own); `cwd`: where the server runs; `env`: its
-        environment (this process's when `None`)."""
+        environment (this process's when `None`); `ports`: (HTTP, gRPC, metrics) when
+        `args` name them."""
         binary = os.environ.get("VISIONGATE_BIN")
         assert binary and os.path.exists(binary), "VISIONGATE_BIN must point at the built binary (make test sets it)"
-        self.port = free_port()
-        self.grpc_port = free_port()
-        self.metrics_port = free_port()
+        self.port, self.grpc_port, self.metrics_port = ports or (free_port(), free_port(), free_port())
         self.base = f"http://127.0.0.1:{self.port}"
         # What tritonclient's http and grpc clients take as `url`.
         self.http_url = f"127.0.0.1:{self.port}"
@@ -64,9 +63,8 @@ class Server:
             [
                 binary,
                 "--host", "127.0.0.1",
-                "--http-port", str(self.port),
-                "--grpc-port", str(self.grpc_port),
-                "--metrics-port", str(self.metrics_port),
+                *([] if ports else ["--http-port", str(self.port), "--grpc-port", str(self.grpc_port),
+                                    "--metrics-port", str(self.metrics_port)]),
                 *(["--model-repository", str(ROOT / "models")] if repository else []),
                 *args,
             ],

@@ -8,7 +8,9 @@
   for another device, machine, instruction set or torch release, for other batch sizes than
   1 to the config's max_batch_size or for another input than the config's, fails its own load (400 over the control API, naming the model,
   the file and what disagrees) while the models that loaded keep serving; tensors of the
-  wrong type or shape get the same 400 as for a TorchScript model.
+  wrong type or shape get the same 400 as for a TorchScript model;
+- a hostile package (an entry outside the package, a compression bomb) is refused before
+  anything is unpacked, and no refused package leaves files under $TMPDIR.
 
 The bundled classifier's package is checked against the Python reference in
 test_export_fidelity.py.
@@ -16,6 +18,8 @@ test_export_fidelity.py.
 
 import io
 import json
+import os
+import time
 import zipfile
 
 import numpy as np
@@ -182,3 +186,77 @@ def test_wrong_tensors_get_the_same_400_as_for_torchscript(user_server, datatype
     r = requests.post(user_server.base + "/v2/models/image_classifier/infer", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert says in r.json()["error"], r.text
+
+
+def hostile(data, extra=None, inflate=None):
+    """The package with an `extra` entry (name, body) added, and its metadata entry made
+    `inflate` bytes of zeros (deflated: a thousand times smaller in the package)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        top = src.infolist()[0].filename.split("/")[0]
+        for item in src.infolist():
+            if inflate and item.filename.endswith("_metadata.json"):
+                info = zipfile.ZipInfo(item.filename)
+                info.compress_type = zipfile.ZIP_DEFLATED
+                with dst.open(info, "w", force_zip64=True) as f:
+                    zeros = bytes(1 << 20)
+                    for _ in range(inflate >> 20):
+                        f.write(zeros)
+                continue
+            dst.writestr(item.filename, src.read(item))
+        if extra:
+            dst.writestr(f"{top}/{extra[0]}", extra[1])
+    return out.getvalue()
+
+
+def test_hostile_packages_are_refused_before_anything_is_unpacked_and_leave_nothing(package, tmp_path):
+    """A package's zip directory is checked before libtorch sees it: an entry that climbs
+    out of the package, or a metadata entry that inflates to 256 MiB of zeros, fails the
+    load before anything is written; a package that fails inside libtorch's loader (its
+    compiled model is not one) leaves its unpacked files behind neither. Ten refused loads
+    leave $TMPDIR as it was, and the model that loaded keeps serving."""
+    data, _ = package
+    repo, tmpdir = tmp_path / "models", tmp_path / "tmpdir"
+    tmpdir.mkdir()
+
+    def add(name, body):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.pt2").write_bytes(body)
+        (repo / name / "config.pbtxt").write_text(USER_CONFIG.format(name=name, max_batch=64, side=224, count=1))
+
+    add("good", data)
+    refused = {
+        "escape": (hostile(data, extra=("data/aotinductor/model/../../../../../../escaped/f", b"outside")),
+                   "is not a path inside the package"),
+        "bomb": (hostile(data, inflate=256 << 20), "times its size in the package"),
+        "not_elf": (with_metadata(data, compiled=b"not a shared library\n" * 64), "dlopen"),
+    }
+    for name, (body, _) in refused.items():
+        add(name, body)
+    assert len(refused["bomb"][0]) < 4 * len(data)
+    s = Server("--model-repository", str(repo), "--model-control-mode=explicit", "--load-model=good",
+               "--repository-control-key", f"{ADMIN_HEADER}={ADMIN_KEY}", repository=False,
+               env={**os.environ, "TMPDIR": str(tmpdir)})
+    s.repo = repo
+    try:
+        body = {"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 3, 224, 224],
+                            "data": [0.5] * (3 * 224 * 224)}]}
+        before = requests.post(s.base + "/v2/models/good/infer", json=body, timeout=60).json()["outputs"]
+        for _ in range(4):
+            for name, (_, says) in refused.items():
+                load_is_refused(s, name, "model.pt2", [says], {ADMIN_HEADER: ADMIN_KEY})
+        # What the loaded package unpacked is there while it serves; nothing else is.
+        left = sorted(p.name for p in tmpdir.iterdir())
+        assert len(left) == 1 and left[0].startswith("visiongate-pt2-"), left
+        assert not list(tmp_path.rglob("escaped"))
+        after = requests.post(s.base + "/v2/models/good/infer", json=body, timeout=60).json()["outputs"]
+        assert after == before
+        r = requests.post(s.base + "/v2/repository/models/good/unload", json={}, timeout=60,
+                          headers={ADMIN_HEADER: ADMIN_KEY})
+        assert r.status_code == 200, r.text
+        deadline = time.time() + 30
+        while list(tmpdir.iterdir()) and time.time() < deadline:
+            time.sleep(0.2)
+        assert list(tmpdir.iterdir()) == []
+    finally:
+        s.stop()

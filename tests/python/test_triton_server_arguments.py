@@ -37,7 +37,7 @@ def test_a_manifest_with_strict_model_config_and_log_verbose_serves(server, all_
     try:
         assert top1(s.base, photo) == top1(server.base, photo)
         log = s.log_path.read_text()
-        assert "--strict-model-config / --disable-auto-complete-config: accepted, no effect" in log
+        assert "--strict-model-config: accepted, no effect" in log
         assert "DEBUG" in log and "batch ran" in log  # --log-verbose=1: visiongate's debug lines
     finally:
         s.stop()
@@ -237,3 +237,209 @@ def test_a_port_in_use_fails_the_start_with_exit_status_1(taken):
         p = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**os.environ, "RUST_BACKTRACE": "1"})
     assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
     assert "Address already in use" in p.stderr, p.stderr[-2000:]
+
+
+def make_certificates(where):
+    """A test CA, a server certificate for 127.0.0.1 and localhost, and a client
+    certificate, all signed by the CA: PEM files in `where`."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def issue(name, key, issuer_name, issuer_key, ca=False, san=None, usage=None):
+        b = (x509.CertificateBuilder()
+             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+             .issuer_name(issuer_name)
+             .public_key(key.public_key())
+             .serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san:
+            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        if usage:
+            b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    def write(name, key, cert):
+        (where / f"{name}.key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        (where / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "visiongate test CA")])
+    ca = issue("visiongate test CA", ca_key, ca_name, ca_key, ca=True)
+    write("ca", ca_key, ca)
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    write("server", server_key, issue("localhost", server_key, ca_name, ca_key, san=san,
+                                      usage=ExtendedKeyUsageOID.SERVER_AUTH))
+    client_key = ec.generate_private_key(ec.SECP256R1())
+    write("client", client_key, issue("a client", client_key, ca_name, ca_key,
+                                      usage=ExtendedKeyUsageOID.CLIENT_AUTH))
+    return {f"{n}_{e}": str(where / f"{n}.{e}") for n in ("ca", "server", "client") for e in ("crt", "key")}
+
+
+def grpc_top1(client, photo, model="ensemble_model"):
+    import numpy as np
+
+    batch = np.frombuffer(photo.read_bytes(), dtype=np.uint8).reshape(1, -1)
+    inp = grpcclient.InferInput("RAW_IMAGE", list(batch.shape), "UINT8")
+    inp.set_data_from_numpy(batch)
+    return int(client.infer(model, [inp]).as_numpy("output__0")[0].argmax())
+
+
+# Every option of `tritonserver` (the command-line parser of its server repository, release
+# 2.73) but --model-repository and --help, with values a manifest would carry; the addresses,
+# ports and files are the test's. The parser's whole list is also checked option by option,
+# each alone, in the config module's unit tests.
+def every_tritonserver_option(s_ports, certs, log_file, trace_file):
+    http, grpc, metrics = s_ports
+    return [
+        "--id=triton-prod", "--exit-timeout-secs=30", "--exit-on-error=true",
+        "--disable-auto-complete-config", "--strict-readiness=true",
+        "--model-control-mode=explicit", "--repository-poll-secs=15", "--load-model=*",
+        "--model-config-name=h100", "--model-load-thread-count=4", "--model-load-retry-count=2",
+        "--model-namespacing=false", "--enable-peer-access=true",
+        "--allow-http=true", "--http-address=127.0.0.1", f"--http-port={http}", "--reuse-http-port=true",
+        "--http-header-forward-pattern=x-request-.*", "--http-thread-count=2",
+        "--http-max-input-size=67108864", "--http-restricted-api=model-repository:admin-key=s3cret",
+        "--allow-grpc=true", "--grpc-address=127.0.0.1", f"--grpc-port={grpc}", "--reuse-grpc-port=true",
+        "--grpc-header-forward-pattern=x-request-.*", "--grpc-infer-thread-count=2",
+        "--grpc-infer-allocation-pool-size=8", "--grpc-max-response-pool-size=64",
+        "--grpc-use-ssl=true", "--grpc-use-ssl-mutual=false", f"--grpc-server-cert={certs['server_crt']}",
+        f"--grpc-server-key={certs['server_key']}", f"--grpc-root-cert={certs['ca_crt']}",
+        "--grpc-infer-response-compression-level=none", "--grpc-keepalive-time=7200000",
+        "--grpc-keepalive-timeout=20000", "--grpc-keepalive-permit-without-calls=true",
+        "--grpc-http2-max-pings-without-data=2", "--grpc-http2-min-recv-ping-interval-without-data=300000",
+        "--grpc-http2-max-ping-strikes=2", "--grpc-max-connection-age=3600000",
+        "--grpc-max-connection-age-grace=30000", "--grpc-restricted-protocol=model-repository:admin-key=s3cret",
+        "--log-verbose=0", "--log-info=true", "--log-warning=true", "--log-error=true",
+        "--log-format=default", f"--log-file={log_file}",
+        "--allow-sagemaker=false", "--sagemaker-port=8080", "--sagemaker-safe-port-range=8081-8082",
+        "--sagemaker-thread-count=8",
+        "--allow-vertex-ai=false", "--vertex-ai-port=8080", "--vertex-ai-thread-count=8",
+        "--vertex-ai-default-model=ensemble_model",
+        "--allow-metrics=true", "--allow-gpu-metrics=true", "--allow-cpu-metrics=true",
+        "--metrics-address=127.0.0.1", f"--metrics-port={metrics}", "--metrics-interval-ms=2000",
+        "--metrics-config=summary_latencies=true",
+        f"--trace-config=triton,file={trace_file}", "--trace-config=level=TIMESTAMPS",
+        "--trace-config=rate=1000",
+        "--cache-config=local,size=1048576", "--cache-directory=/opt/tritonserver/caches",
+        "--rate-limit=execution_count", "--rate-limit-resource=R1:10", "--rate-limit-resource=R2:5:0",
+        "--pinned-memory-pool-byte-size=268435456", "--cuda-memory-pool-byte-size=0:67108864",
+        "--cuda-virtual-address-size=0:1073741824", "--min-supported-compute-capability=6.0",
+        "--buffer-manager-thread-count=0", "--host-policy=gpu_0,numa-node=0", "--model-load-gpu-limit=0:0.8",
+        "--allow-client-shm=false", "--backend-directory=/opt/tritonserver/backends",
+        "--backend-config=pytorch,default-max-batch-size=8", "--repoagent-directory=/opt/tritonserver/repoagents",
+        "--strict-model-config=false",
+        # Triton refuses it beside --cache-config, as visiongate does: alone in the unit test.
+        # "--response-cache-byte-size=1048576",
+        f"--trace-file={trace_file}", "--trace-level=TIMESTAMPS", "--trace-rate=1000", "--trace-count=-1",
+        "--trace-log-frequency=0",
+    ]
+
+
+def test_every_tritonserver_option_at_once_starts_and_serves(server, all_photos, tmp_path):
+    certs = make_certificates(tmp_path)
+    log_file = tmp_path / "triton.log"
+    ports = (free_port(), free_port(), free_port())
+    args = every_tritonserver_option(ports, certs, log_file, tmp_path / "trace.json")
+    args += [f"--model-repository={ROOT / 'models'}"]
+    s = Server(*args, repository=False, ports=ports)
+    try:
+        photo = all_photos[0]
+        assert top1(s.base, photo) == top1(server.base, photo)
+        assert requests.get(s.base + "/v2", timeout=10).json()["name"] == "triton-prod"
+        # gRPC over TLS, as tritonclient's ssl=True speaks it.
+        g = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}", ssl=True, root_certificates=certs["ca_crt"])
+        assert g.is_server_ready()
+        reference = grpcclient.InferenceServerClient(server.grpc_url)
+        assert grpc_top1(g, photo) == grpc_top1(reference, photo)
+        metrics = requests.get(f"http://127.0.0.1:{ports[2]}/metrics", timeout=10).text
+        assert "nv_inference_request_success" in metrics
+        # The log went to --log-file, and names each option that has no effect here.
+        log = log_file.read_text()
+        assert "gRPC listening" in log and "tls=true" in log
+        for flag in ("--strict-model-config", "--disable-auto-complete-config", "--backend-config",
+                     "--backend-directory", "--repoagent-directory", "--cache-directory",
+                     "--pinned-memory-pool-byte-size", "--cuda-memory-pool-byte-size",
+                     "--cuda-virtual-address-size", "--min-supported-compute-capability",
+                     "--buffer-manager-thread-count", "--host-policy", "--model-load-gpu-limit",
+                     "--model-load-thread-count", "--model-load-retry-count", "--model-namespacing",
+                     "--enable-peer-access", "--rate-limit", "--rate-limit-resource",
+                     "--http-header-forward-pattern", "--grpc-header-forward-pattern",
+                     "--grpc-infer-thread-count", "--grpc-infer-allocation-pool-size",
+                     "--grpc-max-response-pool-size", "--grpc-keepalive-permit-without-calls",
+                     "--grpc-http2-max-pings-without-data", "--grpc-http2-min-recv-ping-interval-without-data",
+                     "--grpc-http2-max-ping-strikes", "--sagemaker-port", "--vertex-ai-port",
+                     "--trace-config", "--trace-file", "--trace-level", "--trace-rate", "--trace-count",
+                     "--trace-log-frequency", "--log-format=default"):
+            assert f"{flag}: accepted, no effect" in log or f"{flag} /" in log, flag
+    finally:
+        s.stop()
+
+
+def test_grpc_over_mutual_tls_serves_only_clients_the_root_signed(server, all_photos, tmp_path):
+    certs = make_certificates(tmp_path)
+    s = Server("--grpc-use-ssl-mutual=true", f"--grpc-server-cert={certs['server_crt']}",
+               f"--grpc-server-key={certs['server_key']}", f"--grpc-root-cert={certs['ca_crt']}")
+    try:
+        photo = all_photos[1]
+        reference = grpc_top1(grpcclient.InferenceServerClient(server.grpc_url), photo)
+        g = grpcclient.InferenceServerClient(s.grpc_url, ssl=True, root_certificates=certs["ca_crt"],
+                                             private_key=certs["client_key"], certificate_chain=certs["client_crt"])
+        assert grpc_top1(g, photo) == reference
+        # No client certificate, or plain text: no call gets through.
+        for client in (grpcclient.InferenceServerClient(s.grpc_url, ssl=True, root_certificates=certs["ca_crt"]),
+                       grpcclient.InferenceServerClient(s.grpc_url)):
+            with pytest.raises(InferenceServerException):
+                client.is_server_live(client_timeout=10)
+        # The server keeps serving the client it trusts.
+        assert g.is_server_ready()
+    finally:
+        s.stop()
+
+
+def test_model_config_name_picks_each_models_custom_config(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "models", repo, copy_function=link_file)
+    custom = (ROOT / "models" / "classifier" / "config.pbtxt").read_text()
+    assert "max_queue_delay_microseconds" in custom
+    (repo / "classifier" / "configs").mkdir()
+    (repo / "classifier" / "configs" / "h100.pbtxt").write_text(
+        custom.replace("dynamic_batching {", "dynamic_batching {\n  default_queue_policy { max_queue_size: 7 }", 1))
+    s = Server(f"--model-repository={repo}", "--model-config-name=h100", repository=False)
+    try:
+        h = httpclient.InferenceServerClient(s.http_url)
+        assert h.get_model_config("classifier")["dynamic_batching"]["default_queue_policy"]["max_queue_size"] == 7
+        # A model without configs/h100.pbtxt reads its config.pbtxt, as in Triton.
+        assert h.get_model_config("preprocessor")["name"] == "preprocessor"
+    finally:
+        s.stop()
+
+
+def test_http_max_input_size_bounds_kserve_bodies_not_predict_uploads(all_photos):
+    photo = max(all_photos, key=lambda p: p.stat().st_size)
+    size = photo.stat().st_size
+    s = Server(f"--http-max-input-size={size // 2}")
+    try:
+        import numpy as np
+
+        h = httpclient.InferenceServerClient(s.http_url)
+        batch = np.frombuffer(photo.read_bytes(), dtype=np.uint8).reshape(1, -1)
+        inp = httpclient.InferInput("RAW_IMAGE", list(batch.shape), "UINT8")
+        inp.set_data_from_numpy(batch, binary_data=True)
+        with pytest.raises(InferenceServerException) as e:
+            h.infer("ensemble_model", [inp])
+        assert f"larger than {size // 2} bytes" in e.value.message()
+        # /predict keeps --max-body-bytes.
+        assert top1(s.base, photo)
+    finally:
+        s.stop()

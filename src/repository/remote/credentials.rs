@@ -14,6 +14,7 @@ use object_store::gcp::GoogleCloudStorageBuilder;
 use object_store::{BackoffConfig, ClientOptions, ObjectStore, RetryConfig};
 use serde_json::Value;
 
+use super::http::{Connector, Listing};
 use super::location::{RemoteUrl, Store};
 
 pub struct Client {
@@ -21,6 +22,8 @@ pub struct Client {
     /// Where the credentials came from: a variable's or file's name, never a value.
     pub credentials: String,
     secrets: Vec<String>,
+    /// The listing requests its HTTP client made, and why one was refused.
+    pub listing: Arc<Listing>,
 }
 
 impl Client {
@@ -28,11 +31,13 @@ impl Client {
         built: object_store::Result<S>,
         credentials: String,
         secrets: Vec<String>,
+        network: &Network,
     ) -> Result<Client, String> {
         Ok(Client {
             store: Arc::new(built.map_err(|e| e.to_string())?),
             credentials,
             secrets,
+            listing: network.listing.clone(),
         })
     }
 
@@ -48,18 +53,34 @@ impl Client {
 
 /// How long a client waits and how often it retries: a connection is given 10 s (at most
 /// `timeout`); a failed connection or a 5xx answer is retried three times with backoff
-/// from 200 ms, within `timeout` in all. A request as a whole has no limit (a large object
-/// takes what it takes): the mirror cuts one whose store sends nothing for `timeout`.
+/// from 200 ms, within `timeout` in all. The mirror bounds each request as a whole by
+/// `timeout` (a listing, one object's download). Requests go through [`Connector`]: no
+/// redirects, bounded listings.
 pub struct Network {
     pub timeout: Duration,
+    listing: Arc<Listing>,
 }
 
 impl Network {
-    fn options(&self, allow_http: bool) -> ClientOptions {
-        ClientOptions::new()
+    pub fn new(timeout: Duration) -> Network {
+        Network {
+            timeout,
+            listing: Arc::default(),
+        }
+    }
+
+    /// A store builder's client settings and HTTP client.
+    fn options(&self, allow_http: bool) -> (ClientOptions, Connector) {
+        let connect_timeout = Duration::from_secs(10).min(self.timeout);
+        let options = ClientOptions::new()
             .with_timeout_disabled()
-            .with_connect_timeout(Duration::from_secs(10).min(self.timeout))
-            .with_allow_http(allow_http)
+            .with_connect_timeout(connect_timeout)
+            .with_allow_http(allow_http);
+        let connector = Connector {
+            listing: self.listing.clone(),
+            connect_timeout,
+        };
+        (options, connector)
     }
 
     fn retry(&self) -> RetryConfig {
@@ -80,6 +101,8 @@ const CREDENTIAL_PATH: &str = "TRITON_CLOUD_CREDENTIAL_PATH";
 const MAX_FILE_BYTES: u64 = 1 << 20;
 
 pub fn client(url: &RemoteUrl, network: &Network) -> Result<Client, String> {
+    // Each client counts its own listings.
+    let network = &Network::new(network.timeout);
     let entry = credential_entry(url)?;
     let built = match &url.store {
         Store::S3 { endpoint, bucket } => s3(endpoint.as_deref(), bucket, entry, network),
@@ -223,12 +246,14 @@ fn s3(
     let plain_http = endpoint
         .as_deref()
         .is_some_and(|e| e.starts_with("http://"));
+    let (options, connector) = network.options(plain_http);
     let mut builder = s3_environment()
         .with_bucket_name(bucket)
         .with_region(region.unwrap_or_else(|| "us-east-1".into()))
         .with_virtual_hosted_style_request(false)
         .with_retry(network.retry())
-        .with_client_options(network.options(plain_http));
+        .with_client_options(options)
+        .with_http_connector(connector);
     if let Some(endpoint) = endpoint {
         builder = builder.with_endpoint(endpoint);
     }
@@ -241,7 +266,7 @@ fn s3(
             secrets.push(t);
         }
     }
-    Client::new(builder.build(), source, secrets)
+    Client::new(builder.build(), source, secrets, network)
 }
 
 /// object_store's settings from the `AWS_*` environment (web identity, container
@@ -311,10 +336,12 @@ fn gcs(bucket: &str, entry: Option<(String, Value)>, network: &Network) -> Resul
             "the file GOOGLE_APPLICATION_CREDENTIALS names".to_string(),
         ),
     };
+    let (options, connector) = network.options(true);
     let mut builder = GoogleCloudStorageBuilder::from_env()
         .with_bucket_name(bucket)
         .with_retry(network.retry())
-        .with_client_options(network.options(true));
+        .with_client_options(options)
+        .with_http_connector(connector);
     let mut secrets = Vec::new();
     let source = match path {
         Some(path) => {
@@ -340,7 +367,7 @@ fn gcs(bucket: &str, entry: Option<(String, Value)>, network: &Network) -> Resul
                  instance's own (metadata server)"
             .to_string(),
     };
-    Client::new(builder.build(), source, secrets)
+    Client::new(builder.build(), source, secrets, network)
 }
 
 /// Azure Blob storage, as Triton: the account (`account_str`, else
@@ -365,11 +392,13 @@ fn azure(
         ),
     };
     let account = named.unwrap_or_else(|| account.to_string());
+    let (options, connector) = network.options(false);
     let mut builder = MicrosoftAzureBuilder::from_env()
         .with_account(&account)
         .with_container_name(container)
         .with_retry(network.retry())
-        .with_client_options(network.options(false));
+        .with_client_options(options)
+        .with_http_connector(connector);
     let mut secrets = Vec::new();
     let source = match key {
         Some(key) => {
@@ -382,7 +411,7 @@ fn azure(
             format!("no key ({source} hold none), so anonymous access")
         }
     };
-    Client::new(builder.build(), source, secrets)
+    Client::new(builder.build(), source, secrets, network)
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use futures_util::StreamExt;
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt};
 use tokio::io::AsyncWriteExt;
+use tokio::time::Instant;
 
 use super::credentials::Client;
 use super::location::RemoteUrl;
@@ -81,7 +82,13 @@ pub struct Synced {
     pub failures: Vec<(String, RemoteError)>,
     pub bytes_held: u64,
     pub bytes_downloaded: u64,
+    /// The objects left out.
+    pub skipped: Vec<Skipped>,
 }
+
+/// An object left out of a sync: its key cannot name a file of a model. With the model it
+/// is under (`None`: none that could be told).
+pub type Skipped = (Option<String>, String);
 
 impl Mirror {
     pub fn open(
@@ -137,7 +144,7 @@ impl Mirror {
         settings: &RemoteSettings,
         cache_left: u64,
     ) -> Result<Synced, RemoteError> {
-        let listed = self.list(settings.timeout).await?;
+        let (listed, skipped) = self.list(settings.timeout).await?;
         if listed.is_empty() {
             return Err(self.error(
                 Reason::Empty,
@@ -217,22 +224,31 @@ impl Mirror {
             failures,
             bytes_held,
             bytes_downloaded,
+            skipped,
         })
     }
 
-    /// Every object under the prefix, by model and path inside it. Objects at the top of
-    /// the repository (no model directory) are left out, as Triton does, and so are the
-    /// empty objects that consoles and sync tools create as folders (`model/1/`).
+    /// Every object under the prefix, by model and path inside it, listed within
+    /// `timeout` in all (every page), and the keys left out because they cannot name a
+    /// file of a model (by model, where one can be told). Objects at the top of the
+    /// repository (no model directory) are left out, as Triton does, and so are the empty
+    /// objects that consoles and sync tools create as folders (`model/1/`).
     async fn list(
         &self,
-        idle: Duration,
-    ) -> Result<BTreeMap<String, BTreeMap<String, Listed>>, RemoteError> {
+        timeout: Duration,
+    ) -> Result<(BTreeMap<String, BTreeMap<String, Listed>>, Vec<Skipped>), RemoteError> {
+        let mut skipped = Vec::new();
         let mut models: BTreeMap<String, BTreeMap<String, Listed>> = BTreeMap::new();
+        self.client.listing.restart();
         let mut stream = self.client.store.list(self.prefix.as_ref());
         let skip = self.prefix.as_ref().map_or(0, |p| p.parts().count());
         let mut count = 0usize;
-        while let Some(item) = self.within(idle, "listing", stream.next()).await? {
-            let meta = item.map_err(|e| self.store_error("listing", e))?;
+        let deadline = Instant::now() + timeout;
+        while let Some(item) = self.within(deadline, "listing", stream.next()).await? {
+            let meta = item.map_err(|e| match self.client.listing.refused() {
+                Some(why) => self.error(Reason::TooLarge, format!("listing: {why}")),
+                None => self.store_error("listing", e),
+            })?;
             count += 1;
             if count > MAX_OBJECTS {
                 return Err(self.error(
@@ -250,7 +266,10 @@ impl Mirror {
                 continue;
             }
             if inside.len() > MAX_DEPTH + 1 || inside.iter().any(|p| !safe_segment(p)) {
-                tracing::warn!(repository = %self.url, object = %meta.location, "object left out: its path cannot be a file of a model");
+                skipped.push((
+                    safe_segment(&inside[0]).then(|| inside[0].clone()),
+                    meta.location.to_string(),
+                ));
                 continue;
             }
             models.entry(inside[0].clone()).or_default().insert(
@@ -261,6 +280,20 @@ impl Mirror {
                     location: meta.location,
                 },
             );
+        }
+        // Keys the HTTP client left out of the pages (object_store cannot take them).
+        let prefix = self
+            .prefix
+            .as_ref()
+            .map(|p| format!("{p}/"))
+            .unwrap_or_default();
+        for key in self.client.listing.skipped() {
+            let model = key
+                .strip_prefix(&prefix)
+                .and_then(|k| k.split('/').next())
+                .filter(|m| safe_segment(m))
+                .map(str::to_string);
+            skipped.push((model, key));
         }
         for objects in models.values_mut() {
             let folders: Vec<String> = objects
@@ -278,7 +311,7 @@ impl Mirror {
                 objects.remove(&name);
             }
         }
-        Ok(models)
+        Ok((models, skipped))
     }
 
     /// Builds `model`'s new directory in the incoming area (files unchanged since `held`
@@ -334,8 +367,8 @@ impl Mirror {
     }
 
     /// One object streamed to `target`: at most `--repository-max-object-bytes`, the size
-    /// and ETag it was listed with (else it changed since: the next sync takes it), and no
-    /// wait for the store's answer or its next bytes longer than the timeout.
+    /// and ETag it was listed with (else it changed since: the next sync takes it), all of
+    /// it within the timeout (a store that trickles fails the object).
     async fn fetch(
         &self,
         what: &str,
@@ -343,9 +376,9 @@ impl Mirror {
         target: &Path,
         settings: &RemoteSettings,
     ) -> Result<(), RemoteError> {
-        let idle = settings.timeout;
+        let deadline = Instant::now() + settings.timeout;
         let result = self
-            .within(idle, what, self.client.store.get(&listed.location))
+            .within(deadline, what, self.client.store.get(&listed.location))
             .await?
             .map_err(|e| self.store_error(what, e))?;
         let size = result.meta.size;
@@ -371,7 +404,7 @@ impl Mirror {
         let mut file = tokio::fs::File::create(target).await.map_err(io)?;
         let mut written = 0u64;
         let mut stream = result.into_stream();
-        while let Some(chunk) = self.within(idle, what, stream.next()).await? {
+        while let Some(chunk) = self.within(deadline, what, stream.next()).await? {
             let chunk = chunk.map_err(|e| self.store_error(what, e))?;
             written += chunk.len() as u64;
             if written > size {
@@ -391,20 +424,17 @@ impl Mirror {
         file.sync_all().await.map_err(io)
     }
 
-    /// `step`, unless the store keeps it waiting longer than `idle`.
+    /// `step`, unless it is not done by `deadline` (the whole request's).
     async fn within<T>(
         &self,
-        idle: Duration,
+        deadline: Instant,
         what: &str,
         step: impl std::future::Future<Output = T>,
     ) -> Result<T, RemoteError> {
-        tokio::time::timeout(idle, step).await.map_err(|_| {
+        tokio::time::timeout_at(deadline, step).await.map_err(|_| {
             self.error(
                 Reason::Timeout,
-                format!(
-                    "{what}: the store sent nothing for --repository-timeout-secs {}",
-                    idle.as_secs()
-                ),
+                format!("{what}: not done within --repository-timeout-secs"),
             )
         })
     }
@@ -562,23 +592,45 @@ fn remove(path: &Path) {
     }
 }
 
-/// `dir`, created private to this user where missing; with `own`, one another user owns is
-/// refused (the default cache lies in the shared temporary directory).
+/// `dir`, created private to this user where missing. With `own` (the default cache, in
+/// the shared temporary directory, and the directories the server makes in a cache), the
+/// directory itself is checked, not what a link there points at: a symbolic link, or a
+/// directory another user owns, is refused (another user may have planted it), and one of
+/// this user's that others may write to is made private.
 fn private_dir(dir: &Path, own: bool) -> Result<(), String> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)
         .map_err(|e| format!("--repository-cache-dir: cannot create it: {e}"))?;
-    let meta = std::fs::metadata(dir)
-        .map_err(|e| format!("--repository-cache-dir: cannot read it: {e}"))?;
-    // SAFETY: geteuid has no preconditions.
-    if own && meta.uid() != unsafe { libc::geteuid() } {
-        return Err(format!(
-            "--repository-cache-dir {}: owned by another user; give a directory of this one",
+    if !own {
+        return Ok(());
+    }
+    let refuse = |why: &str| {
+        format!(
+            "--repository-cache-dir {}: {why}; give a directory of this user's (the flag)",
             dir.display()
-        ));
+        )
+    };
+    let meta = std::fs::symlink_metadata(dir)
+        .map_err(|e| format!("--repository-cache-dir: cannot read it: {e}"))?;
+    if meta.file_type().is_symlink() {
+        return Err(refuse("a symbolic link, not a directory"));
+    }
+    // SAFETY: geteuid has no preconditions.
+    if meta.uid() != unsafe { libc::geteuid() } {
+        return Err(refuse("owned by another user"));
+    }
+    if !meta.is_dir() {
+        return Err(refuse("not a directory"));
+    }
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(|e| {
+            refuse(&format!(
+                "others may write to it and it cannot be made private: {e}"
+            ))
+        })?;
     }
     Ok(())
 }
@@ -638,5 +690,38 @@ fn retries(text: &str) -> String {
     match rest.find(" retries") {
         Some(end) if end < 20 => format!(" ({})", &rest[..end + " retries".len()]),
         _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn the_default_cache_directory_is_checked_itself_not_what_a_link_points_at() {
+        let tmp = std::env::temp_dir().join(format!("vg-private-dir-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).unwrap();
+        // A link planted where the cache would be, to a directory this user owns (the
+        // ownership check of the target passes): refused, and the target left alone.
+        let target = tmp.join("elsewhere");
+        std::fs::create_dir(&target).unwrap();
+        let planted = tmp.join("cache");
+        std::os::unix::fs::symlink(&target, &planted).unwrap();
+        let err = private_dir(&planted, true).unwrap_err();
+        assert!(err.contains("symbolic link"), "{err}");
+        // A flag's own choice may be a link (the operator's).
+        private_dir(&planted, false).unwrap();
+        // A file is refused; a directory others may write to is made private.
+        std::fs::write(tmp.join("file"), b"x").unwrap();
+        assert!(private_dir(&tmp.join("file"), true).is_err());
+        let open = tmp.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        private_dir(&open, true).unwrap();
+        let mode = std::fs::metadata(&open).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        std::fs::remove_dir_all(&tmp).unwrap();
     }
 }

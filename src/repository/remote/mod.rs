@@ -5,6 +5,7 @@
 //! the files came from.
 
 mod credentials;
+mod http;
 mod location;
 mod mirror;
 
@@ -17,7 +18,7 @@ use prometheus::{IntCounterVec, IntGaugeVec, Opts};
 pub use location::{Location, RemoteUrl};
 
 use super::{Limits, LoadFailure, RepositoryError, ScanResult};
-use mirror::Mirror;
+use mirror::{Mirror, Skipped};
 
 /// The remote repositories' cache and network limits (the `--repository-*` flags).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,8 +31,8 @@ pub struct RemoteSettings {
     pub max_cache_bytes: u64,
     /// The largest object downloaded (`--repository-max-object-bytes`).
     pub max_object_bytes: u64,
-    /// The longest one request to a store may take: a listing page, one object's download
-    /// (`--repository-timeout-secs`).
+    /// The longest one request to a store may take: a listing with all its pages, one
+    /// object's download (`--repository-timeout-secs`).
     pub timeout: Duration,
 }
 
@@ -102,6 +103,10 @@ pub struct Repositories {
     /// What each remote repository's mirror holds (bytes), by source.
     held: std::sync::Mutex<Vec<u64>>,
     metrics: RemoteMetrics,
+    /// `--model-config-name`: which config file each model reads.
+    config_name: Option<String>,
+    /// The objects the last sync of each remote repository left out, by source.
+    skipped: std::sync::Mutex<Vec<Vec<Skipped>>>,
 }
 
 /// Held while models load from what a scan read: the mirrors do not change meanwhile.
@@ -114,6 +119,7 @@ struct RemoteMetrics {
     model_failures: IntCounterVec,
     downloaded: IntCounterVec,
     cache_bytes: IntGaugeVec,
+    skipped: IntGaugeVec,
 }
 
 impl RemoteMetrics {
@@ -139,6 +145,16 @@ impl RemoteMetrics {
                 "Bytes downloaded from a remote model repository",
                 &["repository"],
             ),
+            skipped: IntGaugeVec::new(
+                Opts::new(
+                    "visiongate_repository_objects_skipped",
+                    "Objects the last sync of a remote model repository left out: keys that \
+                     cannot name a file of a model (a '//', a '.' or '..' segment, a control \
+                     character), each named in a warning",
+                ),
+                &["repository"],
+            )
+            .expect("valid metric"),
             cache_bytes: IntGaugeVec::new(
                 Opts::new(
                     "visiongate_repository_cache_bytes",
@@ -160,15 +176,15 @@ impl Repositories {
             gate: Default::default(),
             held: Default::default(),
             metrics: RemoteMetrics::new(),
+            config_name: None,
+            skipped: Default::default(),
         }
     }
 
     /// The repositories of `locations`: a remote one gets its client (credentials read
     /// now) and its directory in the cache. Nothing is downloaded yet.
     pub fn open(locations: &[Location], settings: &RemoteSettings) -> Result<Repositories, String> {
-        let network = credentials::Network {
-            timeout: settings.timeout,
-        };
+        let network = credentials::Network::new(settings.timeout);
         let mut sources = Vec::new();
         for location in locations {
             sources.push(match location {
@@ -186,13 +202,32 @@ impl Repositories {
             });
         }
         let held = vec![0; sources.len()];
+        let skipped = vec![Vec::new(); sources.len()];
         Ok(Repositories {
             sources,
             settings: Some(settings.clone()),
             gate: Default::default(),
             held: std::sync::Mutex::new(held),
             metrics: RemoteMetrics::new(),
+            config_name: None,
+            skipped: std::sync::Mutex::new(skipped),
         })
+    }
+
+    /// Models read `configs/<name>.pbtxt` where they have it (`--model-config-name`).
+    pub fn with_config_name(mut self, name: Option<String>) -> Repositories {
+        self.config_name = name;
+        self
+    }
+
+    /// The directory of model `name`, when exactly one repository has it.
+    pub fn model_dir(&self, name: &str) -> Option<PathBuf> {
+        super::model_dir(&self.roots(), self.config_name.as_deref(), name)
+    }
+
+    /// The names of every model directory, loaded or not, sorted.
+    pub fn model_names(&self) -> Vec<String> {
+        super::model_names(&self.roots(), self.config_name.as_deref())
     }
 
     /// The local directories to scan: local repositories, and remote ones' mirrors as the
@@ -215,6 +250,7 @@ impl Repositories {
             Box::new(m.model_failures.clone()),
             Box::new(m.downloaded.clone()),
             Box::new(m.cache_bytes.clone()),
+            Box::new(m.skipped.clone()),
         ]
     }
 
@@ -227,10 +263,11 @@ impl Repositories {
         let writing = self.gate.clone().write_owned().await;
         let failures = self.sync().await?;
         let reading = writing.downgrade();
-        let (roots, limits) = (self.roots(), *limits);
-        let mut scan = tokio::task::spawn_blocking(move || super::scan(&roots, &limits))
-            .await
-            .map_err(|e| RepositoryError::Root(std::io::Error::other(e.to_string())))??;
+        let (roots, limits, name) = (self.roots(), *limits, self.config_name.clone());
+        let mut scan =
+            tokio::task::spawn_blocking(move || super::scan(&roots, name.as_deref(), &limits))
+                .await
+                .map_err(|e| RepositoryError::Root(std::io::Error::other(e.to_string())))??;
         for (model, error) in failures {
             scan.models.retain(|m| m.name.as_str() != model);
             scan.failures.retain(|f| f.model != model);
@@ -239,6 +276,28 @@ impl Repositories {
                 error: RepositoryError::Remote(error),
             });
         }
+        // A model that fails with objects of its left out names them.
+        let skipped = self.skipped.lock().unwrap_or_else(|p| p.into_inner());
+        for f in &mut scan.failures {
+            let keys: Vec<String> = skipped
+                .iter()
+                .flatten()
+                .filter(|(model, _)| model.as_deref() == Some(f.model.as_str()))
+                .map(|(_, key)| format!("'{}'", key.escape_debug()))
+                .collect();
+            if !keys.is_empty() {
+                f.error = RepositoryError::Remote(RemoteError {
+                    reason: Reason::Other,
+                    message: format!(
+                        "{}; the store's object {} was left out (its key cannot name a file \
+                         of a model: rename it)",
+                        f.error,
+                        keys.join(", ")
+                    ),
+                });
+            }
+        }
+        drop(skipped);
         Ok((scan, reading))
     }
 
@@ -277,6 +336,20 @@ impl Repositories {
                         .with_label_values(&label)
                         .set(synced.bytes_held as i64);
                     self.held.lock().unwrap_or_else(|p| p.into_inner())[i] = synced.bytes_held;
+                    m.skipped
+                        .with_label_values(&label)
+                        .set(synced.skipped.len() as i64);
+                    let mut skipped = self.skipped.lock().unwrap_or_else(|p| p.into_inner());
+                    // Named once, not at every poll.
+                    for (model, key) in synced.skipped.iter().filter(|s| !skipped[i].contains(s)) {
+                        tracing::warn!(
+                            repository = %mirror.url,
+                            model = model.as_deref().unwrap_or("-"),
+                            "object '{}' left out: its key cannot name a file of a model",
+                            key.escape_debug()
+                        );
+                    }
+                    skipped[i] = synced.skipped;
                     if synced.bytes_downloaded > 0 {
                         tracing::info!(
                             repository = %mirror.url,

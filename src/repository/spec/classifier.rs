@@ -366,8 +366,8 @@ fn read_labels(
     let field = "output.label_filename";
     let shown = Path::new(model).join(file);
     let max = num_classes * MAX_LABEL_BYTES;
-    let text =
-        String::from_utf8(read_whole_model_file(dir, model, field, file, max)?).map_err(|_| {
+    let text = String::from_utf8(read_whole_model_file(dir, "", model, field, file, max)?)
+        .map_err(|_| {
             invalid(
                 model,
                 field,

@@ -147,7 +147,7 @@ mod tests {
         .unwrap();
         write(&root, "ensemble_model/config.pbtxt", &ens);
         std::fs::create_dir_all(root.join("ensemble_model/1")).unwrap();
-        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
+        let r = scan(std::slice::from_ref(&root), None, &Limits::default()).unwrap();
         let msg = r.failures[0].error.to_string();
         assert!(msg.contains("no model 'preprocessor'"), "{msg}");
     }

@@ -475,19 +475,20 @@ pub(in crate::repository) fn read_model_file(
 /// [`read_model_file`], refusing a file longer than `max` bytes.
 pub(in crate::repository) fn read_whole_model_file(
     dir: &Path,
+    sub: &str,
     model: &str,
     field: &str,
     name: &str,
     max: usize,
 ) -> Result<Vec<u8>, RepositoryError> {
-    match read_model_file(dir, "", model, field, name, max)? {
+    match read_model_file(dir, sub, model, field, name, max)? {
         (bytes, false) => Ok(bytes),
         (_, true) => Err(invalid(
             model,
             field,
             format!(
                 "{} is larger than {max} bytes",
-                Path::new(model).join(name).display()
+                Path::new(model).join(sub).join(name).display()
             ),
         )),
     }
@@ -502,7 +503,7 @@ mod tests {
     #[test]
     fn the_bundled_repository_loads_all_three_models() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("models");
-        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
+        let r = scan(std::slice::from_ref(&root), None, &Limits::default()).unwrap();
         let names: Vec<_> = r.models.iter().map(|m| m.name.to_string()).collect();
         let failures: Vec<_> = r.failures.iter().map(|f| f.error.to_string()).collect();
         assert_eq!(
@@ -556,7 +557,7 @@ mod tests {
             "cls/1/model.pt",
             "not really torchscript; loading is the engine's job",
         );
-        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
+        let r = scan(std::slice::from_ref(&root), None, &Limits::default()).unwrap();
         assert_eq!(r.models.len(), 1, "{:?}", r.failures);
         assert_eq!(r.models[0].name.as_str(), "cls");
         let msg = r.failures[0].error.to_string();
@@ -580,7 +581,7 @@ mod tests {
         write(&root, "nofile/config.pbtxt", CLASSIFIER);
         write(&root, "nofile/labels.txt", "a\nb\n");
         std::fs::create_dir_all(root.join("nofile/1")).unwrap();
-        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
+        let r = scan(std::slice::from_ref(&root), None, &Limits::default()).unwrap();
         assert!(r.models.is_empty());
         let msg = |m: &str| failure_of(&r, m);
         assert!(msg("seq").contains("sequence_batching"), "{}", msg("seq"));
@@ -615,7 +616,7 @@ mod tests {
         write(&root, "dir/config.pbtxt", CLASSIFIER);
         write(&root, "dir/labels.txt", "a\nb\n");
         std::fs::create_dir_all(root.join("dir/1/model.pt")).unwrap();
-        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
+        let r = scan(std::slice::from_ref(&root), None, &Limits::default()).unwrap();
         let names: Vec<_> = r.models.iter().map(|m| m.name.as_str()).collect();
         assert_eq!(names, ["inside"], "{:?}", r.failures);
         let msg = failure_of(&r, "outside");

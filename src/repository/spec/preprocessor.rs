@@ -190,7 +190,7 @@ mod tests {
         for m in ["p1", "p2", "p3", "p4"] {
             std::fs::create_dir_all(root.join(m).join("1")).unwrap();
         }
-        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
+        let r = scan(std::slice::from_ref(&root), None, &Limits::default()).unwrap();
         let msg = |m: &str| failure_of(&r, m);
         assert!(msg("p1").contains("parameters[std]"), "{}", msg("p1"));
         assert!(msg("p2").contains("letterbox"), "{}", msg("p2"));

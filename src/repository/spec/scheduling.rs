@@ -324,7 +324,7 @@ mod tests {
         write(&root, "m/config.pbtxt", &config);
         write(&root, "m/labels.txt", "a\nb\n");
         write(&root, "m/1/model.pt", "x");
-        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
+        let r = scan(std::slice::from_ref(&root), None, &Limits::default()).unwrap();
         let e = failure_of(&r, "m");
         assert!(
             e.contains("preferred_batch_size") && e.contains("17 sizes"),

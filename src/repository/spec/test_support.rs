@@ -54,7 +54,7 @@ pub(super) fn classifier_config(tag: &str, text: &str) -> Result<ClassifierSpec,
     write(&root, "m/1/model.pt", "x");
     write(&root, "m/1/model.onnx", "x");
     write(&root, "m/1/model.pt2", "x");
-    let mut r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
+    let mut r = scan(std::slice::from_ref(&root), None, &Limits::default()).unwrap();
     match r.failures.pop() {
         Some(f) => Err(f.error.to_string()),
         None => match r.models.pop().unwrap().kind {

@@ -120,7 +120,7 @@ mod tests {
             write(&root, &format!("two/{v}/model.pt"), "x");
             write(&root, &format!("all/{v}/model.pt"), "x");
         }
-        let r = scan(std::slice::from_ref(&root), &Limits::default()).unwrap();
+        let r = scan(std::slice::from_ref(&root), None, &Limits::default()).unwrap();
         assert!(r.failures.is_empty(), "{:?}", r.failures);
         let versions = |m: &str| -> Vec<u64> {
             r.models
