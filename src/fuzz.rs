@@ -138,6 +138,7 @@ fn check_input(input: &InputTensor) {
     let limit = kserve::RowLimit {
         rows: usize::MAX,
         why: "fuzz",
+        kind: crate::error::ErrorKind::InvalidInput,
     };
     if let Ok(rows) = kserve::image_rows(input, "m", limit) {
         let n = rows.count();

@@ -120,6 +120,7 @@ pub async fn infer(
     let max_rows = RowLimit {
         rows: state.limits.max_files,
         why: "--max-files",
+        kind: ErrorKind::InvalidInput,
     };
     let want = output_request(&wanted);
     let mut outputs = match served {
@@ -164,12 +165,22 @@ pub async fn infer(
             ..
         } => {
             // Its rows and their FP32 output are held at once: as Triton, it takes at most
-            // its max_batch_size rows.
-            let most = usize::try_from(model.config.max_batch_size.max(1)).unwrap_or(1);
-            let limit = if most < max_rows.rows {
+            // its max_batch_size rows, and no more than --max-batch-bytes holds (413).
+            let ModelKind::Preprocessor(spec) = &model.kind else {
+                unreachable!("a served preprocessor is one")
+            };
+            let by_config = usize::try_from(model.config.max_batch_size.max(1)).unwrap_or(1);
+            let limit = if spec.batch_rows < by_config.min(max_rows.rows) {
                 RowLimit {
-                    rows: most,
+                    rows: spec.batch_rows,
+                    why: "the FP32 outputs --max-batch-bytes holds",
+                    kind: ErrorKind::PayloadTooLarge,
+                }
+            } else if by_config < max_rows.rows {
+                RowLimit {
+                    rows: by_config,
                     why: "the preprocessor's max_batch_size",
+                    kind: ErrorKind::InvalidInput,
                 }
             } else {
                 max_rows
@@ -268,17 +279,23 @@ fn requested_outputs(
 pub struct RowLimit {
     pub rows: usize,
     pub why: &'static str,
+    /// How a request over it is refused: `InvalidInput` where the protocol sets the limit
+    /// (Triton's), `PayloadTooLarge` where the server's memory bound does.
+    pub kind: ErrorKind,
 }
 
 impl RowLimit {
     /// Refuses a request of more than `rows` rows before any is read.
     fn check(self, input: &InputTensor, model: &str, rows: usize) -> Result<(), GatewayError> {
         if rows > self.rows {
-            return Err(GatewayError::invalid(format!(
-                "input '{}' of model '{model}' has {rows} rows; one request may carry at most \
-                 {} ({})",
-                input.name, self.rows, self.why
-            )));
+            return Err(GatewayError::new(
+                self.kind,
+                format!(
+                    "input '{}' of model '{model}' has {rows} rows; one request may carry at \
+                     most {} ({})",
+                    input.name, self.rows, self.why
+                ),
+            ));
         }
         Ok(())
     }

@@ -162,15 +162,48 @@ fn describe_parse_error(
             let before = &text[..end];
             let line = before.matches('\n').count() + 1;
             let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
-            format!("{e} (line {line}, column {col})")
+            format!("{} (line {line}, column {col})", shortened(&e.to_string()))
         }
-        None => e.to_string(),
+        None => shortened(&e.to_string()),
     }
+}
+
+/// A parse error's message with each token it quotes from the file cut to 64 characters:
+/// the message reaches API clients (the load answer, the repository index), and a file
+/// that is not a config at all should not come back to them through it.
+fn shortened(message: &str) -> String {
+    const MOST: usize = 64;
+    let mut out = String::with_capacity(message.len().min(1024));
+    for (i, part) in message.split('\'').enumerate() {
+        if i > 0 {
+            out.push('\'');
+        }
+        if i % 2 == 1 && part.chars().count() > MOST {
+            out.extend(part.chars().take(MOST));
+            out.push_str("...");
+        } else {
+            out.push_str(part);
+        }
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_that_is_not_a_config_does_not_come_back_in_its_error() {
+        let secret = "A".repeat(200);
+        let err = parse_model_config("m", &format!("{secret}: 1\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            !err.contains(&secret) && err.contains(&"A".repeat(64)),
+            "{err}"
+        );
+        assert!(err.contains("line 1"), "{err}");
+    }
 
     #[test]
     fn parses_a_triton_config_with_nested_messages_and_maps() {

@@ -443,3 +443,30 @@ def test_http_max_input_size_bounds_kserve_bodies_not_predict_uploads(all_photos
         assert top1(s.base, photo)
     finally:
         s.stop()
+
+
+def test_a_kserve_request_to_the_preprocessor_holds_no_more_than_max_batch_bytes(all_photos):
+    # Its FP32 outputs come back whole, so they cannot be cut into batches: a request of more
+    # rows than --max-batch-bytes holds is refused with 413 naming the limit, before any
+    # image is decoded. Two 224 x 224 rows fit here; the preprocessor's config says 64.
+    row = 3 * 224 * 224 * 4
+    s = Server(f"--max-batch-bytes={2 * row}")
+    try:
+        import numpy as np
+
+        h = httpclient.InferenceServerClient(s.http_url)
+
+        def request(n):
+            data = [p.read_bytes() for p in all_photos[:n]]
+            batch = np.array(data, dtype=np.object_).reshape(n, 1)
+            inp = httpclient.InferInput("RAW_IMAGE", [n, 1], "BYTES")
+            inp.set_data_from_numpy(batch, binary_data=True)
+            return h.infer("preprocessor", [inp])
+
+        assert request(2).as_numpy("PREPROCESSED_IMAGE").shape == (2, 3, 224, 224)
+        with pytest.raises(InferenceServerException) as e:
+            request(3)
+        assert "at most 2 (the FP32 outputs --max-batch-bytes holds)" in e.value.message()
+        assert e.value.status() == "413" or "413" in str(e.value), e.value
+    finally:
+        s.stop()

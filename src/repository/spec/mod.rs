@@ -130,6 +130,9 @@ pub struct PreprocessorSpec {
     pub output_name: String,
     pub width: u32,
     pub height: u32,
+    /// The most rows one request to the model itself may carry: its `max_batch_size`, and
+    /// no more than its FP32 outputs that fit in `--max-batch-bytes`.
+    pub batch_rows: usize,
     pub resize: ResizeMode,
     pub filter: ResizeFilter,
     pub normalize: Normalize,

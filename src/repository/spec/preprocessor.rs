@@ -139,11 +139,17 @@ pub(super) fn preprocessor(
             format!("must be TYPE_FP32 with dims {expected:?} (from the width/height parameters)"),
         ));
     }
+    // Its rows and their FP32 output are held at once (a KServe request to the model
+    // itself, which cannot be cut): at most max_batch_size (as Triton), and what fits.
+    let batch_rows = usize::try_from(c.max_batch_size.max(1))
+        .unwrap_or(usize::MAX)
+        .min(usize::try_from(limits.batch_bytes / image_bytes).unwrap_or(usize::MAX));
     Ok(PreprocessorSpec {
         input_name: input.name.clone(),
         output_name: output.name.clone(),
         width,
         height,
+        batch_rows,
         resize,
         filter,
         normalize,
