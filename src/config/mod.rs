@@ -124,7 +124,8 @@ pub struct Config {
     #[arg(long, env = "VISIONGATE_HOST", default_value = "0.0.0.0")]
     pub host: IpAddr,
 
-    /// The address the HTTP listener binds (Triton's `--http-address`; default: `--host`).
+    /// The address the HTTP listener binds (Triton's `--http-address`; default: `--host`):
+    /// an IP address (IPv6 also as `[::1]` or Triton's `ipv6:[::1]`) or a host name.
     #[arg(long, value_parser = triton::address)]
     pub http_address: Option<IpAddr>,
 
@@ -199,10 +200,11 @@ pub struct Config {
     #[arg(long, value_parser = triton::boolean, default_value = "false", action = ArgAction::Set)]
     pub grpc_use_ssl: bool,
 
-    /// Serve gRPC over TLS and accept only clients whose certificate `--grpc-root-cert`
-    /// signed (Triton's `--grpc-use-ssl-mutual`; it implies `--grpc-use-ssl`).
-    #[arg(long, value_parser = triton::boolean, default_value = "false", action = ArgAction::Set)]
-    pub grpc_use_ssl_mutual: bool,
+    /// `true`: serve gRPC over TLS and accept only clients whose certificate
+    /// `--grpc-root-cert` signed (Triton's `--grpc-use-ssl-mutual`). Given at all, `false`
+    /// too, it turns TLS on, as in Triton.
+    #[arg(long, value_parser = triton::boolean, action = ArgAction::Set)]
+    pub grpc_use_ssl_mutual: Option<bool>,
 
     /// PEM file of the gRPC server's certificate chain (Triton's `--grpc-server-cert`).
     #[arg(long)]
@@ -509,7 +511,7 @@ pub struct Config {
     pub log_error: bool,
 
     /// Write the log lines to this file (appended; created if missing) instead of
-    /// standard error (Triton's `--log-file`).
+    /// standard output (Triton's `--log-file`).
     #[arg(long)]
     pub log_file: Option<PathBuf>,
 
@@ -861,13 +863,18 @@ impl Config {
                     handshake: Duration::from_secs(self.grpc_handshake_timeout_secs),
                     idle: Duration::from_secs(self.grpc_idle_timeout_secs),
                     tcp_keepalive: Duration::from_millis(self.grpc_keepalive_time),
+                    lifetime: self
+                        .grpc_max_connection_age
+                        .zip(self.grpc_max_connection_age_grace)
+                        .map(|(age, grace)| Duration::from_millis(age.saturating_add(grace))),
                 },
                 pace,
-                tls: self.grpc_tls()?,
+                tls: if self.allow_grpc {
+                    self.grpc_tls()?
+                } else {
+                    None
+                },
                 max_connection_age: self.grpc_max_connection_age.map(Duration::from_millis),
-                max_connection_age_grace: self
-                    .grpc_max_connection_age_grace
-                    .map(Duration::from_millis),
             },
             refresh: MetricsRefresh {
                 cpu: self.allow_cpu_metrics,
@@ -909,10 +916,12 @@ impl Config {
     /// `--grpc-use-ssl` and needs `--grpc-root-cert`; the certificate flags are ignored
     /// without either.
     fn grpc_tls(&self) -> Result<Option<crate::grpc::tls::TlsAcceptor>, String> {
-        if !self.grpc_use_ssl && !self.grpc_use_ssl_mutual {
+        // As Triton's parser: naming --grpc-use-ssl-mutual at all turns TLS on.
+        if !self.grpc_use_ssl && self.grpc_use_ssl_mutual.is_none() {
             return Ok(None);
         }
-        let flag = if self.grpc_use_ssl_mutual {
+        let mutual = self.grpc_use_ssl_mutual == Some(true);
+        let flag = if self.grpc_use_ssl_mutual.is_some() {
             "--grpc-use-ssl-mutual"
         } else {
             "--grpc-use-ssl"
@@ -922,7 +931,7 @@ impl Config {
                 "{flag}=true needs --grpc-server-cert and --grpc-server-key (PEM files)"
             ));
         };
-        let roots = if self.grpc_use_ssl_mutual {
+        let roots = if mutual {
             Some(self.grpc_root_cert.as_deref().ok_or(
                 "--grpc-use-ssl-mutual=true needs --grpc-root-cert (PEM file of the \
                  certificates that sign clients' certificates)",
@@ -1148,10 +1157,35 @@ mod tests {
             args.push(option.to_string());
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let config = parse(&args).unwrap_or_else(|e| panic!("{option}: {e}"));
-            config
-                .validate()
-                .unwrap_or_else(|e| panic!("{option}: {e}"));
+            match config.validate() {
+                // As in Triton, naming it at all (`false` too) turns TLS on, which needs
+                // the certificate and key.
+                Err(e) if option.starts_with("--grpc-use-ssl-mutual") => {
+                    assert!(e.contains("--grpc-server-cert"), "{e}")
+                }
+                other => {
+                    other.unwrap_or_else(|e| panic!("{option}: {e}"));
+                }
+            }
         }
+        // Triton's IPv6 spelling and host names bind where they resolve.
+        for (given, addr) in [
+            ("ipv6:[::1]", "::1"),
+            ("[::]", "::"),
+            ("localhost", "127.0.0.1"),
+        ] {
+            let c = parse(&[&format!("--grpc-address={given}")]).unwrap();
+            assert_eq!(c.grpc_address.unwrap().to_string(), addr, "{given}");
+        }
+        // With gRPC off, its TLS files are not read (Triton does not read them either).
+        parse(&[
+            &format!("--model-repository={m}"),
+            "--allow-grpc=false",
+            "--grpc-use-ssl=true",
+        ])
+        .unwrap()
+        .validate()
+        .unwrap();
         // What a value means where visiongate honours it.
         let s = parse(&[
             &format!("--model-repository={m}"),

@@ -140,14 +140,29 @@ pub fn gpu_bytes(value: &str) -> Result<String, String> {
 }
 
 /// An address to bind, as Triton's `--http-address`, `--grpc-address` and
-/// `--metrics-address` take it: an IPv4 or IPv6 address, IPv6 also in brackets (`[::]`).
+/// `--metrics-address` take it: an IPv4 or IPv6 address, IPv6 also in brackets (`[::]`) or
+/// with the `ipv6:` prefix Triton's HTTP server uses (`ipv6:[::1]`), or a host name (its
+/// first address).
 pub fn address(value: &str) -> Result<IpAddr, String> {
-    let bare = value
+    use std::net::ToSocketAddrs;
+    let plain = value.strip_prefix("ipv6:").unwrap_or(value);
+    let bare = plain
         .strip_prefix('[')
         .and_then(|v| v.strip_suffix(']'))
-        .unwrap_or(value);
-    bare.parse()
-        .map_err(|_| format!("'{value}': expected an IP address to bind (0.0.0.0, [::], ...)"))
+        .unwrap_or(plain);
+    if let Ok(ip) = bare.parse() {
+        return Ok(ip);
+    }
+    let bad = || format!("'{value}': expected an address to bind (0.0.0.0, [::], a host name)");
+    if bare.is_empty() || bare.contains([':', '/', ' ']) {
+        return Err(bad());
+    }
+    (bare, 0)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut found| found.next())
+        .map(|a| a.ip())
+        .ok_or_else(bad)
 }
 
 /// `--model-config-name`: the file name (without `.pbtxt`) under each model's `configs/`.

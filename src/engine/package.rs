@@ -106,11 +106,19 @@ impl Checked {
     /// The metadata of the package's model `model` (AOTInductor's keys and the exporter's):
     /// the `*_metadata.json` objects under `data/aotinductor/<model>/`, merged.
     pub fn metadata(&mut self, model: &str) -> Result<HashMap<String, String>, String> {
-        let place = format!("/data/aotinductor/{model}/");
+        // Under the archive's top directory (`<archive>/data/...`, what AOTInductor writes)
+        // or at its root (older packages), as libtorch's loader finds them.
+        let place = format!("data/aotinductor/{model}/");
+        let under = |name: &str| {
+            name.starts_with(&place)
+                || name
+                    .split_once('/')
+                    .is_some_and(|(_, rest)| rest.starts_with(&place))
+        };
         let names: Vec<String> = self
             .archive
             .file_names()
-            .filter(|n| n.contains(&place) && n.ends_with("_metadata.json"))
+            .filter(|n| under(n) && n.ends_with("_metadata.json"))
             .map(str::to_string)
             .collect();
         if names.is_empty() {

@@ -42,6 +42,9 @@ pub struct ConnLimits {
     /// With no call open.
     pub idle: Duration,
     pub tcp_keepalive: Duration,
+    /// From the accept until the connection is closed whatever it is doing
+    /// (`--grpc-max-connection-age` plus its grace; it was sent a GOAWAY at the age).
+    pub lifetime: Option<Duration>,
 }
 
 /// The calls open on one connection, for its idle timeout.
@@ -141,6 +144,7 @@ pub fn incoming(
                 },
                 () = tx.closed() => return,
             };
+            let accepted = Instant::now();
             let place = match places.take(peer.ip().to_canonical()) {
                 Ok(place) => place,
                 Err(limit) => {
@@ -156,7 +160,7 @@ pub fn incoming(
             }
             let _ = io.set_nodelay(true);
             let Some(tls) = &tls else {
-                let conn = Conn::new(Io::Plain(io), place, limits, kill.clone());
+                let conn = Conn::new(Io::Plain(io), place, limits, kill.clone(), accepted);
                 if tx.send(Ok(conn)).await.is_err() {
                     return;
                 }
@@ -164,7 +168,8 @@ pub fn incoming(
             };
             let (tls, tx, kill) = (tls.clone(), tx.clone(), kill.clone());
             tokio::spawn(async move {
-                let handshake = tokio::time::timeout(limits.handshake, tls.accept(io));
+                let handshake =
+                    tokio::time::timeout_at(accepted + limits.handshake, tls.accept(io));
                 let io = tokio::select! {
                     done = handshake => match done {
                         Ok(Ok(io)) => io,
@@ -179,7 +184,7 @@ pub fn incoming(
                     },
                     () = kill.cancelled() => return,
                 };
-                let conn = Conn::new(Io::Tls(Box::new(io)), place, limits, kill);
+                let conn = Conn::new(Io::Tls(Box::new(io)), place, limits, kill, accepted);
                 let _ = tx.send(Ok(conn)).await;
             });
         }
@@ -239,6 +244,8 @@ pub struct Conn {
     _place: Place,
     /// Until the client's first call.
     handshake: Option<Pin<Box<Sleep>>>,
+    /// Until the end of its lifetime, if it has one.
+    lifetime: Option<Pin<Box<Sleep>>>,
     activity: Arc<Activity>,
     idle: Duration,
     idle_timer: Pin<Box<Sleep>>,
@@ -246,11 +253,23 @@ pub struct Conn {
 }
 
 impl Conn {
-    fn new(io: Io, place: Place, limits: ConnLimits, kill: CancellationToken) -> Conn {
+    /// A connection accepted at `accepted` (its TLS handshake, if any, done since).
+    fn new(
+        io: Io,
+        place: Place,
+        limits: ConnLimits,
+        kill: CancellationToken,
+        accepted: Instant,
+    ) -> Conn {
         Conn {
             io,
             _place: place,
-            handshake: Some(Box::pin(tokio::time::sleep(limits.handshake))),
+            handshake: Some(Box::pin(tokio::time::sleep_until(
+                accepted + limits.handshake,
+            ))),
+            lifetime: limits
+                .lifetime
+                .map(|l| Box::pin(tokio::time::sleep_until(accepted + l))),
             activity: Arc::new(Activity {
                 open: AtomicUsize::new(0),
                 called: AtomicBool::new(false),
@@ -269,6 +288,14 @@ impl Conn {
                 io::ErrorKind::ConnectionAborted,
                 "the server stopped",
             ));
+        }
+        if let Some(lifetime) = &mut self.lifetime {
+            if lifetime.as_mut().poll(cx).is_ready() {
+                return Some(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "past --grpc-max-connection-age and its grace",
+                ));
+            }
         }
         if self.activity.called.load(Ordering::SeqCst) {
             self.handshake = None;

@@ -39,10 +39,9 @@ pub struct GrpcSettings {
     pub pace: BodyPace,
     /// TLS (`--grpc-use-ssl`), `None` for plain connections.
     pub tls: Option<tls::TlsAcceptor>,
-    /// A connection's age at which it is sent a GOAWAY (`--grpc-max-connection-age`), and
-    /// how long its calls may then still run (`--grpc-max-connection-age-grace`).
+    /// A connection's age at which it is sent a GOAWAY (`--grpc-max-connection-age`; the
+    /// grace after it is `ConnLimits::lifetime`).
     pub max_connection_age: Option<Duration>,
-    pub max_connection_age_grace: Option<Duration>,
 }
 
 impl std::fmt::Debug for GrpcSettings {
@@ -56,7 +55,6 @@ impl std::fmt::Debug for GrpcSettings {
             .field("pace", &self.pace)
             .field("tls", &self.tls.is_some())
             .field("max_connection_age", &self.max_connection_age)
-            .field("max_connection_age_grace", &self.max_connection_age_grace)
             .finish()
     }
 }
@@ -76,11 +74,10 @@ pub async fn serve(
         .max_decoding_message_size(settings.max_message_bytes)
         .max_encoding_message_size(settings.max_message_bytes);
     let mut builder = tonic::transport::Server::builder();
+    // The age alone: tonic's grace, when given, drops the connection at age + grace
+    // without the GOAWAY at age (conn.rs ends it at age + grace instead).
     if let Some(age) = settings.max_connection_age {
         builder = builder.max_connection_age(age);
-    }
-    if let Some(grace) = settings.max_connection_age_grace {
-        builder = builder.max_connection_age_grace(grace);
     }
     builder
         .max_concurrent_streams(Some(settings.max_concurrent_streams))

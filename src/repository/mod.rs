@@ -54,6 +54,16 @@ pub enum RepositoryError {
     /// A remote repository, or one of its models, that could not be downloaded.
     #[error("{0}")]
     Remote(remote::RemoteError),
+    /// A model's failure, naming the objects of its remote repository that were left out
+    /// (their keys cannot name files: it may have needed them).
+    #[error(
+        "{error}; the store's object {keys} was left out (its key cannot name a file of a \
+         model: rename it)"
+    )]
+    LeftOut {
+        error: Box<RepositoryError>,
+        keys: String,
+    },
 }
 
 impl HasKind for RepositoryError {
@@ -65,6 +75,7 @@ impl HasKind for RepositoryError {
             | RepositoryError::Unsupported { .. }
             | RepositoryError::Invalid { .. } => ErrorKind::InvalidInput,
             RepositoryError::Remote(_) => ErrorKind::NotReady,
+            RepositoryError::LeftOut { error, .. } => error.kind(),
         }
     }
 }
@@ -269,7 +280,7 @@ fn load_model(
     // Before reading: a file changed while it is read shows as a change at the next poll.
     let print = fingerprint(dir);
     let (sub, file) = config_file(dir, config_name).ok_or_else(|| RepositoryError::Io {
-        path: dir.join("config.pbtxt"),
+        path: Path::new(name).join("config.pbtxt"),
         source: std::io::ErrorKind::NotFound.into(),
     })?;
     let text =

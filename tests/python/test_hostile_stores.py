@@ -230,6 +230,10 @@ def test_a_trickling_object_fails_within_the_timeout_and_holds_nothing_after(tmp
         assert time.time() - started < 30
         assert "m/config.pbtxt': not done within --repository-timeout-secs" in s.log_path.read_text()
         serves(s, all_photos)
+        # Nothing of the cut download is left in the cache.
+        cache = tmp_path / "cache"
+        assert not [p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock")], \
+            sorted(map(str, cache.rglob("*")))
     finally:
         s.stop()
         store.stop()

@@ -213,7 +213,7 @@ def test_hostile_packages_are_refused_before_anything_is_unpacked_and_leave_noth
     """A package's zip directory is checked before libtorch sees it: an entry that climbs
     out of the package, or a metadata entry that inflates to 256 MiB of zeros, fails the
     load before anything is written; a package that fails inside libtorch's loader (its
-    compiled model is not one) leaves its unpacked files behind neither. Ten refused loads
+    compiled model is not one) leaves its unpacked files behind neither. Twelve refused loads
     leave $TMPDIR as it was, and the model that loaded keeps serving."""
     data, _ = package
     repo, tmpdir = tmp_path / "models", tmp_path / "tmpdir"

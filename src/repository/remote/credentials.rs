@@ -78,7 +78,6 @@ impl Network {
             .with_allow_http(allow_http);
         let connector = Connector {
             listing: self.listing.clone(),
-            connect_timeout,
         };
         (options, connector)
     }

@@ -4,7 +4,8 @@
 //! the request (its status names the redirect), and the credentials signed into a request
 //! reach no other host. A listing page's body is read up to [`MAX_PAGE_BYTES`], and one
 //! listing makes at most [`MAX_PAGES`] requests; what refused one is kept in [`Listing`]
-//! for the mirror to name.
+//! for the mirror to name. An answer that is not a success is read up to 1 MiB (object_store
+//! reads it whole for its message).
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -23,6 +24,12 @@ pub const MAX_PAGE_BYTES: usize = 16 << 20;
 /// The most pages one listing reads: the mirror's object limit at 50 objects a page, so
 /// a store whose continuation never ends is cut well before the listing's deadline.
 pub const MAX_PAGES: usize = 2_000;
+/// The most keys one listing may leave out (as many as the objects a listing may hold);
+/// past it the listing fails. The first [`NAMED`] are kept to be named.
+pub const MAX_SKIPPED: usize = 100_000;
+pub const NAMED: usize = 100;
+/// The largest body of an answer that is not a success (read whole for its message).
+const MAX_ERROR_BYTES: usize = 1 << 20;
 
 /// The listing requests of one store's client since the mirror began its listing, and why
 /// one was refused.
@@ -30,7 +37,8 @@ pub const MAX_PAGES: usize = 2_000;
 pub struct Listing {
     pages: AtomicUsize,
     refused: Mutex<Option<String>>,
-    skipped: Mutex<Vec<String>>,
+    /// The first [`NAMED`] keys left out, and how many were.
+    skipped: Mutex<(Vec<String>, usize)>,
 }
 
 impl Listing {
@@ -38,23 +46,21 @@ impl Listing {
     pub fn restart(&self) {
         self.pages.store(0, Ordering::SeqCst);
         *self.refused.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        self.skipped
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
-    }
-
-    /// The keys this listing left out (see [`without_odd_keys`]).
-    pub fn skipped(&self) -> Vec<String> {
-        self.skipped
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        *self.skipped.lock().unwrap_or_else(|p| p.into_inner()) = (Vec::new(), 0);
     }
 
     /// Why a request of this listing was refused here, if one was.
     pub fn refused(&self) -> Option<String> {
         self.refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The first [`NAMED`] keys this listing left out (see [`without_odd_keys`]), and how
+    /// many it left out.
+    pub fn skipped(&self) -> (Vec<String>, usize) {
+        self.skipped
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
@@ -82,30 +88,36 @@ impl std::error::Error for Refused {}
 #[derive(Debug)]
 pub struct Connector {
     pub listing: Arc<Listing>,
-    pub connect_timeout: Duration,
 }
 
 impl HttpConnector for Connector {
     fn connect(&self, options: &ClientOptions) -> object_store::Result<HttpClient> {
-        // What the store's builder decided (an emulator's plain HTTP, say).
-        let allow_http = options
-            .get_config_value(&ClientConfigKey::AllowHttp)
-            .is_some_and(|v| v.eq_ignore_ascii_case("true"));
+        // What the store's builder decided: an emulator's plain HTTP, HTTP/1 only (its
+        // default), the connect timeout (1 s for credential endpoints), the user agent.
+        let get = |key| options.get_config_value(&key);
+        let yes = |key| get(key).is_some_and(|v: String| v.eq_ignore_ascii_case("true"));
         // object_store's own builder, less what it cannot turn off: redirects. Bodies are
         // never decompressed (sizes are compared with Content-Length).
-        let client = store_reqwest::Client::builder()
+        let mut builder = store_reqwest::Client::builder()
             .redirect(store_reqwest::redirect::Policy::none())
-            .connect_timeout(self.connect_timeout)
-            .https_only(!allow_http)
+            .https_only(!yes(ClientConfigKey::AllowHttp))
             .no_gzip()
             .no_brotli()
             .no_zstd()
-            .no_deflate()
-            .build()
-            .map_err(|e| object_store::Error::Generic {
-                store: "HTTP client",
-                source: Box::new(e),
-            })?;
+            .no_deflate();
+        if yes(ClientConfigKey::Http1Only) {
+            builder = builder.http1_only();
+        }
+        if let Some(timeout) = get(ClientConfigKey::ConnectTimeout).and_then(|t| duration(&t)) {
+            builder = builder.connect_timeout(timeout);
+        }
+        if let Some(agent) = get(ClientConfigKey::UserAgent) {
+            builder = builder.user_agent(agent);
+        }
+        let client = builder.build().map_err(|e| object_store::Error::Generic {
+            store: "HTTP client",
+            source: Box::new(e),
+        })?;
         Ok(HttpClient::new(Service {
             client,
             listing: self.listing.clone(),
@@ -132,23 +144,48 @@ impl HttpService for Service {
             }
         }
         let response = HttpService::call(&self.client, req).await?;
-        if !lists {
+        let failed = !response.status().is_success();
+        if !lists && !failed {
+            // An object's body: streamed by the mirror, within its size and deadline.
             return Ok(response);
         }
-        let (parts, body) = response.into_parts();
+        let (mut parts, body) = response.into_parts();
+        let (limit, what) = if failed {
+            (MAX_ERROR_BYTES, "an error answer")
+        } else {
+            (MAX_PAGE_BYTES, "a listing page")
+        };
         let body = Limited {
             body,
-            left: MAX_PAGE_BYTES,
+            left: limit,
+            limit,
+            what,
             listing: self.listing.clone(),
         };
+        if failed {
+            return Ok(HttpResponse::from_parts(parts, HttpResponseBody::new(body)));
+        }
         // The whole page (bounded), so that an odd key is left out rather than failing it.
         let page = HttpResponseBody::new(body).bytes().await?;
         let (page, skipped) = without_odd_keys(page);
-        self.listing
-            .skipped
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(skipped);
+        if !skipped.is_empty() {
+            parts.headers.remove(http::header::CONTENT_LENGTH);
+            let mut held = self
+                .listing
+                .skipped
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            held.1 += skipped.len();
+            let room = NAMED.saturating_sub(held.0.len());
+            held.0.extend(skipped.into_iter().take(room));
+            let over = held.1 > MAX_SKIPPED;
+            drop(held);
+            if over {
+                return Err(self.listing.refuse(format!(
+                    "the listing left out over {MAX_SKIPPED} objects whose keys cannot name files"
+                )));
+            }
+        }
         Ok(HttpResponse::from_parts(
             parts,
             HttpResponseBody::from(page),
@@ -230,6 +267,25 @@ fn unescape(text: &str) -> Option<String> {
     Some(out)
 }
 
+/// A duration as object_store writes its settings (`10s`, `1s 500ms`).
+fn duration(text: &str) -> Option<Duration> {
+    text.split_whitespace()
+        .try_fold(Duration::ZERO, |sum, part| {
+            let digits = part.find(|c: char| !c.is_ascii_digit())?;
+            let n: u64 = part[..digits].parse().ok()?;
+            let one = match &part[digits..] {
+                "ns" => Duration::from_nanos(n),
+                "us" => Duration::from_micros(n),
+                "ms" => Duration::from_millis(n),
+                "s" => Duration::from_secs(n),
+                "m" => Duration::from_secs(n.checked_mul(60)?),
+                "h" => Duration::from_secs(n.checked_mul(3600)?),
+                _ => return None,
+            };
+            sum.checked_add(one)
+        })
+}
+
 /// A listing request: S3's and GCS's XML API (`list-type=2`), Azure's (`comp=list`).
 fn is_listing(uri: &http::Uri) -> bool {
     uri.query().is_some_and(|q| {
@@ -242,6 +298,9 @@ fn is_listing(uri: &http::Uri) -> bool {
 struct Limited {
     body: HttpResponseBody,
     left: usize,
+    limit: usize,
+    /// What the body is, for the error.
+    what: &'static str,
     listing: Arc<Listing>,
 }
 
@@ -258,7 +317,7 @@ impl Body for Limited {
             let len = frame.data_ref().map_or(0, Bytes::len);
             if len > self.left {
                 self.left = 0;
-                let why = format!("a listing page was over {MAX_PAGE_BYTES} bytes");
+                let why = format!("{} was over {} bytes", self.what, self.limit);
                 return std::task::Poll::Ready(Some(Err(self.listing.refuse(why))));
             }
             self.left -= len;
@@ -317,6 +376,14 @@ mod tests {
         assert_eq!(without_odd_keys(plain.clone()), (plain, vec![]));
         assert_eq!(unescape("a&lt;&#65;&#x42;"), Some("a<AB".into()));
         assert_eq!(unescape("a&bogus;"), None);
+    }
+
+    #[test]
+    fn durations_read_as_object_store_writes_them() {
+        assert_eq!(duration("10s"), Some(Duration::from_secs(10)));
+        assert_eq!(duration("1s 500ms"), Some(Duration::from_millis(1500)));
+        assert_eq!(duration("5m"), Some(Duration::from_secs(300)));
+        assert_eq!(duration("ten"), None);
     }
 
     #[test]

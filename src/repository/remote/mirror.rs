@@ -83,12 +83,28 @@ pub struct Synced {
     pub bytes_held: u64,
     pub bytes_downloaded: u64,
     /// The objects left out.
-    pub skipped: Vec<Skipped>,
+    pub skipped: Skips,
 }
 
 /// An object left out of a sync: its key cannot name a file of a model. With the model it
 /// is under (`None`: none that could be told).
 pub type Skipped = (Option<String>, String);
+
+/// The objects a listing left out: how many, and the first few by name.
+#[derive(Debug, Default)]
+pub struct Skips {
+    pub named: Vec<Skipped>,
+    pub count: usize,
+}
+
+impl Skips {
+    fn add(&mut self, skipped: Skipped) {
+        self.count += 1;
+        if self.named.len() < super::http::NAMED {
+            self.named.push(skipped);
+        }
+    }
+}
 
 impl Mirror {
     pub fn open(
@@ -236,8 +252,8 @@ impl Mirror {
     async fn list(
         &self,
         timeout: Duration,
-    ) -> Result<(BTreeMap<String, BTreeMap<String, Listed>>, Vec<Skipped>), RemoteError> {
-        let mut skipped = Vec::new();
+    ) -> Result<(BTreeMap<String, BTreeMap<String, Listed>>, Skips), RemoteError> {
+        let mut skipped = Skips::default();
         let mut models: BTreeMap<String, BTreeMap<String, Listed>> = BTreeMap::new();
         self.client.listing.restart();
         let mut stream = self.client.store.list(self.prefix.as_ref());
@@ -266,7 +282,7 @@ impl Mirror {
                 continue;
             }
             if inside.len() > MAX_DEPTH + 1 || inside.iter().any(|p| !safe_segment(p)) {
-                skipped.push((
+                skipped.add((
                     safe_segment(&inside[0]).then(|| inside[0].clone()),
                     meta.location.to_string(),
                 ));
@@ -287,14 +303,17 @@ impl Mirror {
             .as_ref()
             .map(|p| format!("{p}/"))
             .unwrap_or_default();
-        for key in self.client.listing.skipped() {
+        let (keys, left_out) = self.client.listing.skipped();
+        for key in keys {
             let model = key
                 .strip_prefix(&prefix)
                 .and_then(|k| k.split('/').next())
                 .filter(|m| safe_segment(m))
                 .map(str::to_string);
-            skipped.push((model, key));
+            skipped.add((model, key));
         }
+        // The ones the client counted but did not keep by name.
+        skipped.count += left_out.saturating_sub(left_out.min(super::http::NAMED));
         for objects in models.values_mut() {
             let folders: Vec<String> = objects
                 .iter()

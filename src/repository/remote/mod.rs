@@ -286,15 +286,14 @@ impl Repositories {
                 .map(|(_, key)| format!("'{}'", key.escape_debug()))
                 .collect();
             if !keys.is_empty() {
-                f.error = RepositoryError::Remote(RemoteError {
-                    reason: Reason::Other,
-                    message: format!(
-                        "{}; the store's object {} was left out (its key cannot name a file \
-                         of a model: rename it)",
-                        f.error,
-                        keys.join(", ")
-                    ),
-                });
+                let error = std::mem::replace(
+                    &mut f.error,
+                    RepositoryError::Root(std::io::ErrorKind::Other.into()),
+                );
+                f.error = RepositoryError::LeftOut {
+                    error: Box::new(error),
+                    keys: keys.join(", "),
+                };
             }
         }
         drop(skipped);
@@ -338,10 +337,17 @@ impl Repositories {
                     self.held.lock().unwrap_or_else(|p| p.into_inner())[i] = synced.bytes_held;
                     m.skipped
                         .with_label_values(&label)
-                        .set(synced.skipped.len() as i64);
+                        .set(synced.skipped.count as i64);
                     let mut skipped = self.skipped.lock().unwrap_or_else(|p| p.into_inner());
-                    // Named once, not at every poll.
-                    for (model, key) in synced.skipped.iter().filter(|s| !skipped[i].contains(s)) {
+                    // Named once, not at every poll (the first few of many).
+                    let named: std::collections::HashSet<&Skipped> = skipped[i].iter().collect();
+                    let new: Vec<&Skipped> = synced
+                        .skipped
+                        .named
+                        .iter()
+                        .filter(|s| !named.contains(s))
+                        .collect();
+                    for (model, key) in new {
                         tracing::warn!(
                             repository = %mirror.url,
                             model = model.as_deref().unwrap_or("-"),
@@ -349,7 +355,15 @@ impl Repositories {
                             key.escape_debug()
                         );
                     }
-                    skipped[i] = synced.skipped;
+                    if synced.skipped.count > synced.skipped.named.len() {
+                        tracing::warn!(
+                            repository = %mirror.url,
+                            "{} objects left out in all; the first {} are named",
+                            synced.skipped.count,
+                            synced.skipped.named.len()
+                        );
+                    }
+                    skipped[i] = synced.skipped.named;
                     if synced.bytes_downloaded > 0 {
                         tracing::info!(
                             repository = %mirror.url,
