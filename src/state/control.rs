@@ -192,7 +192,11 @@ impl Registry {
                 format!("failed to load '{name}': {}", f.error),
             ));
         }
-        let (dir, model) = (self.repositories.model_dir(name), name.to_string());
+        // Its directory only for a load that replaces its config.
+        let dir = config
+            .as_ref()
+            .and_then(|_| self.repositories.model_dir(name));
+        let model = name.to_string();
         let scan = tokio::task::spawn_blocking(move || {
             if let Some(json) = config {
                 let Some(dir) = dir else {

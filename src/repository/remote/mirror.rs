@@ -304,6 +304,8 @@ impl Mirror {
             .map(|p| format!("{p}/"))
             .unwrap_or_default();
         let (keys, left_out) = self.client.listing.skipped();
+        // The ones the client counted but did not keep by name.
+        let unnamed = left_out - keys.len();
         for key in keys {
             let model = key
                 .strip_prefix(&prefix)
@@ -312,8 +314,7 @@ impl Mirror {
                 .map(str::to_string);
             skipped.add((model, key));
         }
-        // The ones the client counted but did not keep by name.
-        skipped.count += left_out.saturating_sub(left_out.min(super::http::NAMED));
+        skipped.count += unnamed;
         for objects in models.values_mut() {
             let folders: Vec<String> = objects
                 .iter()

@@ -278,24 +278,27 @@ impl Repositories {
         }
         // A model that fails with objects of its left out names them.
         let skipped = self.skipped.lock().unwrap_or_else(|p| p.into_inner());
-        for f in &mut scan.failures {
-            let keys: Vec<String> = skipped
-                .iter()
-                .flatten()
-                .filter(|(model, _)| model.as_deref() == Some(f.model.as_str()))
-                .map(|(_, key)| format!("'{}'", key.escape_debug()))
-                .collect();
-            if !keys.is_empty() {
-                let error = std::mem::replace(
-                    &mut f.error,
-                    RepositoryError::Root(std::io::ErrorKind::Other.into()),
-                );
-                f.error = RepositoryError::LeftOut {
-                    error: Box::new(error),
-                    keys: keys.join(", "),
-                };
-            }
-        }
+        scan.failures = std::mem::take(&mut scan.failures)
+            .into_iter()
+            .map(|f| {
+                let keys: Vec<String> = skipped
+                    .iter()
+                    .flatten()
+                    .filter(|(model, _)| model.as_deref() == Some(f.model.as_str()))
+                    .map(|(_, key)| format!("'{}'", key.escape_debug()))
+                    .collect();
+                if keys.is_empty() {
+                    return f;
+                }
+                LoadFailure {
+                    model: f.model,
+                    error: RepositoryError::LeftOut {
+                        error: Box::new(f.error),
+                        keys: keys.join(", "),
+                    },
+                }
+            })
+            .collect();
         drop(skipped);
         Ok((scan, reading))
     }
