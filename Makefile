@@ -13,13 +13,15 @@ run: setup
 	@$(ENV) && exec "$$VISIONGATE_BIN" --model-repository models $(ARGS)
 
 ## Every test: no two modules using each other (scripts/module-deps.sh), `cargo deny check`
-## (scripts/deny.sh: advisories, licenses, bans, sources by deny.toml), Rust unit + integration
+## (scripts/deny.sh: advisories, licenses, bans, sources by deny.toml), `cargo check` of each
+## runtime feature alone, both and neither (scripts/features.sh), Rust unit + integration
 ## tests (real libtorch, real photos), 10 s of each fuzz target (scripts/fuzz.sh), the Python
 ## suite (fidelity against the Python reference, real HTTP clients) and the container test
 ## (the image and `docker compose up`, see container-test).
 test: setup
 	@bash scripts/module-deps.sh > /dev/null
 	@bash scripts/deny.sh
+	@$(ENV) && bash scripts/features.sh
 	@$(ENV) && cargo test --release
 	@bash scripts/fuzz.sh smoke
 	@$(ENV) && "$$VISIONGATE_PYTHON" -m pytest -q -rs tests/python

@@ -86,12 +86,12 @@ fn link_libtorch() {
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", dir.display());
 }
 
-/// `src/engine/cuda_shim.cpp` and `aoti_shim.cpp`: the few libtorch calls tch does not
+/// `src/engine/libtorch/cuda_shim.cpp` and `aoti_shim.cpp`: the few libtorch calls tch does not
 /// expose (TF32, a stream per instance, CUDA events; AOTInductor packages), built against
 /// the same libtorch headers as torch-sys's own wrapper (same C++ standard and ABI flags).
 fn compile_shims() {
-    println!("cargo:rerun-if-changed=src/engine/cuda_shim.cpp");
-    println!("cargo:rerun-if-changed=src/engine/aoti_shim.cpp");
+    println!("cargo:rerun-if-changed=src/engine/libtorch/cuda_shim.cpp");
+    println!("cargo:rerun-if-changed=src/engine/libtorch/aoti_shim.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     let lib = PathBuf::from(
         env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys reports libtorch's lib dir"),
@@ -108,8 +108,8 @@ fn compile_shims() {
         .include(&include)
         .flag("-std=c++17")
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
-        .file("src/engine/cuda_shim.cpp")
-        .file("src/engine/aoti_shim.cpp")
+        .file("src/engine/libtorch/cuda_shim.cpp")
+        .file("src/engine/libtorch/aoti_shim.cpp")
         .compile("visiongate_shims");
     libtorch_stub();
 }
@@ -118,7 +118,7 @@ fn compile_shims() {
 /// `libtorch.so`. A torch.export package's compiled model names `libtorch.so`, whose only
 /// work is to pull in libtorch_cpu (which the binary links) and libtorch_cuda (which the
 /// binary opens where the NVIDIA driver is, and which costs a CPU host about 130 MiB of
-/// memory for nothing): the stub meets that name (`engine/aoti.rs`).
+/// memory for nothing): the stub meets that name (`engine/libtorch/aoti.rs`).
 fn libtorch_stub() {
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let source = out.join("libtorch_stub.c");

@@ -23,7 +23,8 @@ started again. A 503 is retried (documented: a draining or overloaded replica's 
 counted; any other failure fails the run.
 
 Writes OUT/report.md, OUT/report.png (the signal and the replicas wanted over time),
-OUT/series.csv and the processes' logs; exits 1 if a check fails.
+OUT/results.json (each check: its key, what it checks, whether it passed and the numbers it
+judged), OUT/series.csv and the processes' logs; exits 1 if a check fails.
 """
 
 import argparse
@@ -448,6 +449,8 @@ def main():
                     help="instead: one replica under each kind and level of load, each signal beside its throughput")
     args = ap.parse_args()
     plan = SHORT if args.short else FULL
+    # A run that ends early leaves no results.json: none of an earlier run's is read as its.
+    (args.out / "results.json").unlink(missing_ok=True)
     for tool in ("kubectl", "haproxy", "prometheus"):
         if not shutil.which(tool):
             sys.exit(f"scale-out: {tool} is not installed (scripts/setup.sh installs it)")
@@ -456,7 +459,7 @@ def main():
     m = Manifests()
     photos = sorted(PHOTOS.glob("*.jpg"))
     started = []
-    checks = []  # (what, passed, detail)
+    checks = []  # Check, in report.md's order
     stopped_clean = True
     try:
         code = study(args, m, photos, work, started) if args.study else run(args, plan, m, photos, work, started, checks)
@@ -473,7 +476,30 @@ def main():
             if isinstance(p, Server) and not (args.out / "visiongate-0.log").exists():
                 shutil.copy(p.log_path, args.out / f"server-{p.port}.log")
         shutil.rmtree(work, ignore_errors=True)
+    if checks:
+        write_results(args, plan, checks, stopped_clean)
     return code if stopped_clean else 1
+
+
+class Check:
+    """One check of the run: `key` names it in results.json, `what` and `detail` in
+    report.md; `values`: the numbers it judged, as measured."""
+
+    def __init__(self, key, what, passed, detail, **values):
+        self.key, self.what, self.passed, self.detail, self.values = key, what, bool(passed), detail, values
+
+    def result(self):
+        return {"check": self.key, "name": self.what, "passed": self.passed, "values": self.values}
+
+
+def write_results(args, plan, checks, stopped_clean):
+    """OUT/results.json: the checks as data, for tests/python/test_scale_out.py to assert
+    on one by one (report.md says the same for people)."""
+    results = {"run": "short" if args.short else "full", "plan": plan, "replicas": args.replicas,
+               "stopped_clean": stopped_clean, "passed": stopped_clean and all(c.passed for c in checks),
+               "checks": [c.result() for c in checks]}
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    say(f"results: {args.out / 'results.json'}")
 
 
 def seed_bucket(s3, m):
@@ -616,7 +642,9 @@ def run(args, plan, m, photos, work, started, checks):
     sampling.set()
     time.sleep(0.5)
     for r in replicas:
-        r.server.log.flush()
+        # A replica that failed to start again has its log closed: the checks say so.
+        if not r.server.log.closed:
+            r.server.log.flush()
         shutil.copy(r.server.log_path, work / f"{r.name}.log")
 
     # -- checks --
@@ -625,24 +653,36 @@ def run(args, plan, m, photos, work, started, checks):
 
     for name in ("singles", "uploads"):
         wanted = by_phase(name, "wanted")
-        checks.append((f"replicas wanted rise above {m.min} under {name}", max(wanted, default=0) > m.min,
-                       f"max {max(wanted, default=0)}"))
+        checks.append(Check(f"scales_up_under_{name}", f"replicas wanted rise above {m.min} under {name}",
+                            max(wanted, default=0) > m.min, f"max {max(wanted, default=0)}",
+                            max_wanted=max(wanted, default=None), min_replicas=m.min, samples=len(wanted)))
     last = rows[-1]["wanted"] if rows else None
-    checks.append((f"replicas wanted back to the minimum ({m.min}) after the load", last == m.min, f"last {last}"))
-    checks.append(("every request answered, no failure but retried 503s", not load.failures,
-                   f"{len(load.failures)} failures: {load.failures[:5]}"))
-    checks.append((f"every replica served version 2 within the poll period ({m.poll_s} s) and its load",
-                   len(update) == len(replicas) and max(update.values()) <= m.poll_s + 30,
-                   json.dumps({k: round(v, 1) for k, v in update.items()})))
-    checks.append(("the drained replica held requests, answered them (no 503 from it) and exited 0 within its grace period",
-                   drain.get("exit_code") == 0 and drain.get("pending_images_at_stop", 0) > 0
-                   and not load.refused_by.get(drain.get("replica")), json.dumps(drain)))
-    checks.append(("the drained replica started again and passed the balancer's health checks",
-                   "back_s" in drain and "error" not in drain, json.dumps(drain)))
+    checks.append(Check("scales_back_down", f"replicas wanted back to the minimum ({m.min}) after the load",
+                        last == m.min, f"last {last}", last_wanted=last, min_replicas=m.min, samples=len(rows)))
+    checks.append(Check("no_request_failed", "every request answered, no failure but retried 503s", not load.failures,
+                        f"{len(load.failures)} failures: {load.failures[:5]}",
+                        failures=len(load.failures), first_failures=load.failures[:5], sent=load.sent,
+                        answered=load.answered, images=load.images, retried_503=load.retried_503,
+                        refused_by=load.refused_by))
+    update_limit_s = m.poll_s + 30
+    checks.append(Check("new_version_served_everywhere",
+                        f"every replica served version 2 within the poll period ({m.poll_s} s) and its load",
+                        len(update) == len(replicas) and max(update.values()) <= update_limit_s,
+                        json.dumps({k: round(v, 1) for k, v in update.items()}),
+                        served_after_s={k: round(v, 1) for k, v in update.items()}, replicas=len(replicas),
+                        poll_s=m.poll_s, limit_s=update_limit_s))
+    refused_by_drained = load.refused_by.get(drain.get("replica"), 0)
+    checks.append(Check("drained_replica_answered_its_requests",
+                        "the drained replica held requests, answered them (no 503 from it) and exited 0 within its grace period",
+                        drain.get("exit_code") == 0 and drain.get("pending_images_at_stop", 0) > 0
+                        and not refused_by_drained, json.dumps(drain),
+                        **drain, refused_503=refused_by_drained, grace_s=m.grace_s))
+    checks.append(Check("drained_replica_back", "the drained replica started again and passed the balancer's health checks",
+                        "back_s" in drain and "error" not in drain, json.dumps(drain), **drain))
     write_report(args, plan, m, rows, events, load, update, drain, checks, t0)
-    ok = all(passed for _, passed, _ in checks)
-    for what, passed, detail in checks:
-        say(f"{'ok  ' if passed else 'FAIL'} {what}: {detail}")
+    ok = all(c.passed for c in checks)
+    for c in checks:
+        say(f"{'ok  ' if c.passed else 'FAIL'} {c.what}: {c.detail}")
     return 0 if ok else 1
 
 
@@ -805,7 +845,7 @@ def write_report(args, plan, m, rows, events, load, update, drain, checks, t0):
         "", "Events (s): " + "; ".join(f"{at:.0f} {what}" for at, what in events), "",
         "Checks:", "",
     ]
-    lines += [f"- {'ok' if passed else 'FAILED'}: {what} ({detail})" for what, passed, detail in checks]
+    lines += [f"- {'ok' if c.passed else 'FAILED'}: {c.what} ({c.detail})" for c in checks]
     lines += ["", "![signal and replicas wanted](report.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
     say(f"report: {out / 'report.md'}")

@@ -12,6 +12,7 @@ pub mod http;
 pub mod kserve;
 pub mod listeners;
 pub mod memory;
+pub mod nvidia;
 pub mod pace;
 pub mod pipeline;
 pub mod preprocess;
@@ -331,7 +332,7 @@ fn start_metrics(
     })?;
     let refresh = settings.refresh;
     let gpus = if refresh.gpu {
-        telemetry::Nvml::open()
+        nvidia::Nvml::open()
             .filter(|n| n.count() > 0)
             .map(|n| Box::new(n) as Box<dyn telemetry::GpuProbe>)
     } else {

@@ -24,7 +24,7 @@ fn serve(config: visiongate::config::Config) -> anyhow::Result<()> {
     let settings = config.validate().map_err(anyhow::Error::msg)?;
     // Before any other thread starts: libtorch's CUDA half registers itself as it loads.
     #[cfg(feature = "torch")]
-    visiongate::engine::cuda_host::cuda_support();
+    visiongate::engine::libtorch::cuda_host::cuda_support();
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?

@@ -4,7 +4,8 @@
 //! host opens it, CUDA is registered with libtorch (its hooks and device guard) and asking
 //! for devices answers 0 instead of failing. One test in its own binary: libtorch looks its
 //! CUDA hooks up once per process.
-use visiongate::engine::{cuda, cuda_device_count, cuda_host};
+use visiongate::engine::cuda_device_count;
+use visiongate::engine::libtorch::{cuda, cuda_host};
 
 /// Whether a mapped file's path holds `part`.
 fn mapped(part: &str) -> bool {
@@ -21,7 +22,7 @@ fn libtorch_cuda_opened_at_run_time_registers_cuda_with_libtorch() {
         !mapped("/libtorch_cuda.so") && !mapped("/libcublas"),
         "nothing of CUDA is loaded before it is asked for"
     );
-    let driver = cuda_host::driver_state() != cuda_host::DriverState::Absent;
+    let driver = visiongate::nvidia::driver::state() != visiongate::nvidia::DriverState::Absent;
     if let Err(why) = cuda_host::open_libtorch_cuda() {
         // A CPU-only libtorch has no CUDA half to open: not run here. CI's libtorch (the
         // PyPI wheel setup installs) has one.
@@ -45,7 +46,9 @@ fn libtorch_cuda_opened_at_run_time_registers_cuda_with_libtorch() {
         (true, true),
         "hooks and device guard"
     );
-    if !driver {
+    if driver {
+        assert_eq!(*cuda_host::cuda_support(), cuda_host::CudaSupport::Loaded);
+    } else {
         assert_eq!(cuda_device_count(), 0);
         assert_eq!(*cuda_host::cuda_support(), cuda_host::CudaSupport::NoDriver);
     }

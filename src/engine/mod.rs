@@ -1,28 +1,19 @@
 //! Model execution behind a small synchronous trait, so the scheduler can be tested with
 //! a fake. An engine is owned by one instance thread and never sees tasks or channels.
 
-#[cfg(feature = "torch")]
-mod aoti;
-#[cfg(feature = "torch")]
-pub mod cuda;
-#[cfg(feature = "torch")]
-pub mod cuda_host;
 pub mod cuda_ipc;
 mod fake;
 #[cfg(feature = "torch")]
-pub mod nvjpeg;
+pub mod libtorch;
 #[cfg(feature = "onnx")]
 mod onnx;
-#[cfg(feature = "torch")]
-mod package;
-#[cfg(feature = "torch")]
-mod torch;
+pub mod registry;
 
 pub use fake::{FakeEngine, FakeFaults, Gate};
-#[cfg(feature = "onnx")]
-pub use onnx::{OnnxEngine, ONNXRUNTIME_VERSION};
 #[cfg(feature = "torch")]
-pub use torch::{cpu_runs_bf16, cuda_device_count, TorchEngine};
+pub use libtorch::{cpu_runs_bf16, cuda_device_count, TorchEngine};
+#[cfg(feature = "onnx")]
+pub use onnx::{OnnxEngine, OnnxRuntime, ONNXRUNTIME_VERSION};
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -261,6 +252,7 @@ impl FileErrors {
     }
 
     /// The file as errors name it.
+    #[cfg(feature = "torch")]
     pub fn shown(&self) -> &str {
         &self.shown
     }
@@ -285,7 +277,6 @@ impl FileErrors {
 
 /// A model file's path from its model directory on (`<model>/<version>/<file>`): how load
 /// errors name it, since they reach clients (the repository index, a failed load).
-#[cfg(any(feature = "torch", feature = "onnx"))]
 pub(crate) fn repository_relative(path: &std::path::Path) -> String {
     let parts: Vec<_> = path.components().rev().take(3).collect();
     parts

@@ -11,11 +11,12 @@ use ort::session::builder::GraphOptimizationLevel;
 use ort::session::{HasSelectedOutputs, OutputSelector, RunOptions, Session};
 use ort::value::{TensorElementType, TensorRef, ValueType};
 
+use super::registry::Backend;
 use super::{
-    normalize_into, BatchInput, ComputeTimings, Engine, EngineError, EngineOutput, EngineSpec,
-    FileErrors, OutputRequest,
+    normalize_into, repository_relative, BatchInput, ComputeTimings, Engine, EngineError,
+    EngineOutput, EngineSpec, FileErrors, OutputRequest,
 };
-use crate::domain::{classify, GraphLevel, OnnxOptions, Precision};
+use crate::domain::{classify, GraphLevel, InstanceId, OnnxOptions, Precision, Runtime};
 
 /// The ONNX Runtime version the set-up installs and this build is made for (the `ort`
 /// crate's API level): older libraries are refused as they load.
@@ -62,6 +63,29 @@ fn runtime(library: Option<&Path>) -> Result<&'static Environment, String> {
         })
         .as_ref()
         .map_err(Clone::clone)
+}
+
+/// ONNX Runtime as a runtime of this build: its library is opened by the first ONNX model
+/// that loads.
+pub struct OnnxRuntime {
+    /// The library (`None`: the dynamic linker's search).
+    pub library: Option<PathBuf>,
+    /// Intra-op threads per session where a model's config sets none.
+    pub intra_op_threads: usize,
+}
+
+impl Backend for OnnxRuntime {
+    fn load(&self, spec: &EngineSpec, id: InstanceId) -> Result<Box<dyn Engine>, EngineError> {
+        let Runtime::Onnx(options) = spec.runtime else {
+            return Err(EngineError::Load {
+                path: repository_relative(&spec.file),
+                message: format!("{} is not an ONNX model", spec.runtime.format()),
+            });
+        };
+        let library = self.library.as_deref();
+        let engine = OnnxEngine::load(spec, options, id.gpu, self.intra_op_threads, library)?;
+        Ok(Box::new(engine))
+    }
 }
 
 pub struct OnnxEngine {

@@ -3,8 +3,6 @@
 //! Metric names follow Triton where Triton has the metric, so existing dashboards work;
 //! visiongate's own carry the `visiongate_` prefix. Each gateway owns its registry.
 mod latency;
-mod nvml;
-pub(crate) use nvml::cast;
 mod system;
 
 use prometheus::{
@@ -13,7 +11,6 @@ use prometheus::{
 };
 
 pub use latency::{Latencies, Latency, MetricsConfig, ModelLatencies};
-pub use nvml::Nvml;
 pub use system::{spawn_poller, GpuProbe, GpuSample};
 
 /// Which log lines are written (Triton's `--log-verbose`, `--log-info`, `--log-warning`,

@@ -1,7 +1,7 @@
 //! The host series Triton refreshes every metrics interval: CPU utilisation and memory
 //! (from `/proc`), and per GPU (`gpu_uuid` label) utilisation, memory, power and energy,
 //! read through a [`GpuProbe`]: NVIDIA's management library loaded at run time
-//! (`nvml.rs`), or a fake in tests. No library or no GPU: no GPU series, no error.
+//! (`nvidia::nvml`), or a fake in tests. No library or no GPU: no GPU series, no error.
 use std::collections::HashMap;
 use std::time::Duration;
 

@@ -1,5 +1,6 @@
 """Starts the real visiongate binary (release build, bundled repository) for the suite."""
 
+import importlib
 import os
 import shutil
 import socket
@@ -26,6 +27,19 @@ def require_tool(name):
     if os.environ.get("CI") == "true":
         pytest.fail(f"{name} is not installed: CI runs every test (scripts/setup.sh installs it)")
     pytest.skip(f"not run: needs {name} (scripts/setup.sh installs it)")
+
+
+def require_module(name):
+    """A Python module the test imports, returned. Missing, the test is not run (reported as
+    skipped), and under CI=true it fails, as for `require_tool`: pytest.importorskip would
+    skip there too."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"Python module {name} is not installed ({e}): CI runs every test "
+                        "(scripts/setup.sh installs it)")
+        pytest.skip(f"not run: needs the Python module {name} (scripts/setup.sh installs it)")
 
 
 def link_file(source, target):

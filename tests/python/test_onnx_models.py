@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import requests
 
-from conftest import PHOTOS, ROOT, Server, link_file
+from conftest import PHOTOS, ROOT, Server, link_file, require_module
 from user_models import (add_image_ensemble, answers_tritonclient_as_torch_does, load_is_refused,
                          serves_predict_as_torch_does, user_model)
 
@@ -114,7 +114,7 @@ def tiny_graph(onnx, helper, numpy_helper, input_name="input", elem=None, input_
 
 @pytest.fixture(scope="module")
 def broken_server(tmp_path_factory):
-    onnx = pytest.importorskip("onnx")
+    onnx = require_module("onnx")
     from onnx import helper, numpy_helper
 
     repo = tmp_path_factory.mktemp("onnx-broken") / "models"
@@ -182,7 +182,7 @@ def test_wrong_tensors_get_the_same_400_as_for_torchscript(broken_server, dataty
 
 
 def test_without_onnx_runtime_onnx_models_say_what_to_install_and_the_others_serve(tmp_path):
-    onnx = pytest.importorskip("onnx")
+    onnx = require_module("onnx")
     from onnx import helper, numpy_helper
 
     repo = tmp_path / "models"

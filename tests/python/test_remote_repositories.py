@@ -249,6 +249,13 @@ def poll_until(check, timeout, what):
     raise AssertionError(f"not within {timeout} s: {what}")
 
 
+def syncs(server, url):
+    """The server's successful syncs of the remote repository `url` so far (one a poll)."""
+    series = rf'visiongate_repository_syncs_total\{{repository="{re.escape(url)}",result="ok"\}} (\d+)'
+    found = re.search(series, metrics(server))
+    return int(found.group(1)) if found else 0
+
+
 def served_versions(server, model="classifier"):
     r = requests.get(f"{server.base}/v2/models/{model}", timeout=10)
     return r.json().get("versions", []) if r.status_code == 200 else []
@@ -304,8 +311,15 @@ def test_a_new_version_in_the_bucket_serves_after_a_poll_and_a_half_upload_leave
         assert onnx != config
         s3.put("live", "repo/classifier/3/model.pt", model)
         s3.put("live", "repo/classifier/config.pbtxt", onnx.encode())
-        time.sleep(4)
+        # Three more syncs, not a sleep: the second began after the upload, and its poll's
+        # loads were over before the third began (a poll syncs, then loads, then waits).
+        first = syncs(remote, "s3://live/repo")
+        poll_until(lambda: syncs(remote, "s3://live/repo") >= first + 3, 60, "three more polls after the upload")
         assert served_versions(remote) == ["2"]
+        # ...and its load was tried and failed, saying which file is missing.
+        reasons = [e.get("reason", "") for e in requests.post(remote.base + "/v2/repository/index", json={},
+                                                              timeout=10).json() if e["name"] == "classifier"]
+        assert any("classifier/3/model.onnx is missing" in r and "keep serving" in r for r in reasons), reasons
         # The rest of the upload arrives: version 3 serves.
         s3.put("live", "repo/classifier/3/model.onnx", (BUNDLED / "classifier" / "1" / "model.onnx").read_bytes())
         poll_until(lambda: served_versions(remote) == ["3"], 60, "version 3 served")

@@ -4,20 +4,26 @@ use std::time::Instant;
 
 use tch::{CModule, Device, Kind, Tensor};
 
-use super::aoti::Package;
-use super::cuda;
-use super::nvjpeg;
+mod aoti;
+mod backend;
+pub mod cuda;
+pub mod cuda_host;
+mod package;
+
 use super::{
     BatchInput, ComputeTimings, Engine, EngineError, EngineOutput, EngineSpec, FileErrors,
     GpuDecoded, OutputRequest,
 };
 use crate::domain::{ClassScore, Normalize, Precision, ResizeFilter, Runtime};
+use crate::nvidia::nvjpeg;
 use crate::preprocess::{CpuReason, JpegRow};
+use aoti::Package;
+pub use backend::{Libtorch, Options};
 
 /// Number of CUDA devices libtorch sees (0 without a GPU or without CUDA libraries).
 /// libtorch's CUDA half is loaded first, where the host has the driver.
 pub fn cuda_device_count() -> usize {
-    super::cuda_host::cuda_support();
+    cuda_host::cuda_support();
     if tch::Cuda::is_available() {
         tch::Cuda::device_count().max(0) as usize
     } else {
@@ -95,7 +101,7 @@ fn autocast_kind(precision: Precision, device: Device) -> Result<Option<Kind>, S
     match (precision, device) {
         (Precision::Fp32, _) => Ok(None),
         (Precision::Fp16, Device::Cuda(_)) => Ok(Some(Kind::Half)),
-        (Precision::Bf16, Device::Cuda(i)) => match super::cuda_host::compute_capability(i) {
+        (Precision::Bf16, Device::Cuda(i)) => match cuda_host::compute_capability(i) {
             Some((major, minor)) if major < 8 => Err(format!(
                 "precision bf16 needs a GPU of compute capability 8.0 (Ampere) or newer; GPU \
                  {i} is {major}.{minor}: use fp16 or fp32 ({set})"

@@ -1,5 +1,5 @@
 // libtorch's AOTInductor package loader (torch.export packages, `.pt2`) as a few C functions
-// for src/engine/aoti.rs: load an unpacked package onto a device, run it on one tensor, free
+// for src/engine/libtorch/aoti.rs: load an unpacked package onto a device, run it on one tensor, free
 // it. Errors are c10's short messages (no C++ backtrace), kept per thread.
 #include <ATen/Tensor.h>
 #include <c10/core/DeviceGuard.h>
@@ -90,7 +90,7 @@ const char* vg_aoti_last_error() { return aoti_error.c_str(); }
 const char* vg_torch_version() { return TORCH_VERSION; }
 
 // The package's model, from the directory it was unpacked into (`path`; see
-// src/engine/package.rs), loaded onto CUDA device `device_index`, or the CPU (-1); null on
+// src/engine/libtorch/package.rs), loaded onto CUDA device `device_index`, or the CPU (-1); null on
 // failure. One runner: the instance thread that owns it runs one batch at a time.
 // `stub`: the libtorch.so stub's bytes (see open_libtorch_stub).
 void* vg_aoti_load(const char* path, int device_index, const unsigned char* stub, size_t stub_len) {

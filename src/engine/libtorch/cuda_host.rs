@@ -1,14 +1,13 @@
 //! libtorch's CUDA half, loaded at run time on hosts with the NVIDIA driver
 //! ([`cuda_support`]); and why libtorch sees no GPU on a host whose NVIDIA driver sees
-//! some: read from the CUDA driver (`libcuda.so.1`, loaded at run time) and the CUDA
-//! runtime libtorch loaded. A `KIND_GPU` model then fails its load with the reason instead
-//! of running on the CPU; GPUs hidden on purpose (`CUDA_VISIBLE_DEVICES=`) still fall back
-//! to the CPU.
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+//! some: read from the CUDA driver (`nvidia::driver`) and the CUDA runtime libtorch
+//! loaded. A `KIND_GPU` model then fails its load with the reason instead of running on
+//! the CPU; GPUs hidden on purpose (`CUDA_VISIBLE_DEVICES=`) still fall back to the CPU.
+use std::ffi::{c_char, c_int, CStr};
 use std::sync::OnceLock;
 
-/// CUDA's `CUDA_ERROR_NO_DEVICE`: the driver runs and sees no (visible) GPU.
-const CUDA_ERROR_NO_DEVICE: c_int = 100;
+use crate::nvidia::driver::{self, DriverState, ERROR_NO_DEVICE};
+use crate::nvidia::{loaded, version_text, Library};
 
 /// Whether libtorch's CUDA half (`libtorch_cuda.so`) is loaded.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,7 +30,7 @@ pub enum CudaSupport {
 pub fn cuda_support() -> &'static CudaSupport {
     static SUPPORT: OnceLock<CudaSupport> = OnceLock::new();
     SUPPORT.get_or_init(|| {
-        if driver_library().is_null() {
+        if driver::driver().is_err() {
             return CudaSupport::NoDriver;
         }
         match open_libtorch_cuda() {
@@ -50,13 +49,8 @@ pub fn open_libtorch_cuda() -> Result<(), String> {
         Some(dir) => format!("{dir}/libtorch_cuda.so"),
         None => "libtorch_cuda.so".to_string(),
     };
-    let c_path = CString::new(path.clone()).map_err(|_| format!("{path}: not a path"))?;
-    // SAFETY: dlopen with a NUL-terminated path; the handle is kept for the process's
-    // life (the library is never closed).
-    let lib = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-    if lib.is_null() {
-        return Err(dl_error().unwrap_or(path));
-    }
+    // Never closed: libtorch holds what it registered.
+    Library::open_global(&path).map_err(|e| e.to_string())?;
     match super::cuda::cuda_registered() {
         (true, true) => Ok(()),
         (hooks, guard) => Err(format!(
@@ -64,12 +58,6 @@ pub fn open_libtorch_cuda() -> Result<(), String> {
              guard: {guard})"
         )),
     }
-}
-
-/// The NVIDIA driver's CUDA library, opened (and kept: libtorch uses it too), or null.
-fn driver_library() -> *mut c_void {
-    // SAFETY: dlopen with a constant name.
-    unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW) }
 }
 
 /// The directory the already loaded `libtorch_cpu.so` came from.
@@ -91,38 +79,13 @@ fn libtorch_dir() -> Option<String> {
     }
 }
 
-pub(super) fn dl_error() -> Option<String> {
-    // SAFETY: dlerror returns null or a NUL-terminated message of this thread's last
-    // dl* failure.
-    unsafe {
-        let e = libc::dlerror();
-        (!e.is_null()).then(|| CStr::from_ptr(e).to_string_lossy().into_owned())
-    }
-}
-
-/// A CUDA version as CUDA encodes it (`1000 * major + 10 * minor`), as `major.minor`.
-pub fn version_text(v: i32) -> String {
-    format!("{}.{}", v / 1000, (v % 1000) / 10)
-}
-
-/// What the CUDA driver said when started: its CUDA version, or its error.
-#[derive(Debug, Clone, PartialEq)]
-pub enum DriverState {
-    /// `cuInit` succeeded; the newest CUDA version the driver supports.
-    Runs { cuda: i32 },
-    /// `cuInit` failed with this code and message.
-    Fails { code: i32, message: String },
-    /// No `libcuda.so.1`.
-    Absent,
-}
-
 /// Why CUDA cannot run models here although the driver sees GPUs, from what the runtime
 /// libtorch loaded (`runtime`: its CUDA version, `None` when libtorch has no CUDA) and
 /// the driver said. `None`: nothing is broken (the GPUs are hidden, or there are none),
 /// so `KIND_GPU` models may fall back to the CPU.
 pub fn cuda_problem(runtime: Option<i32>, driver: &DriverState) -> Option<String> {
     match (runtime, driver) {
-        (_, DriverState::Fails { code, .. }) if *code == CUDA_ERROR_NO_DEVICE => None,
+        (_, DriverState::Fails { code, .. }) if *code == ERROR_NO_DEVICE => None,
         (_, DriverState::Absent) => Some(
             "the NVIDIA driver's CUDA library (libcuda.so.1) is missing: install the \
              driver's CUDA component (in a container, the NVIDIA container toolkit)"
@@ -154,17 +117,12 @@ pub fn cuda_problem(runtime: Option<i32>, driver: &DriverState) -> Option<String
 /// The CUDA runtime version libtorch loaded (`cudaRuntimeGetVersion` of the process),
 /// `None` when no CUDA runtime is loaded.
 pub fn runtime_version() -> Option<i32> {
-    // SAFETY: looks a symbol up among the libraries the process has loaded; if found, it
-    // has the CUDA runtime's signature `cudaError_t cudaRuntimeGetVersion(int*)`.
-    unsafe {
-        let sym = libc::dlsym(libc::RTLD_DEFAULT, c"cudaRuntimeGetVersion".as_ptr());
-        if sym.is_null() {
-            return None;
-        }
-        let get: unsafe extern "C" fn(*mut c_int) -> c_int = std::mem::transmute(sym);
-        let mut v: c_int = 0;
-        (get(&mut v) == 0).then_some(v)
-    }
+    // SAFETY: the CUDA runtime's `cudaError_t cudaRuntimeGetVersion(int*)`.
+    let get: unsafe extern "C" fn(*mut c_int) -> c_int =
+        unsafe { loaded(c"cudaRuntimeGetVersion") }?;
+    let mut v: c_int = 0;
+    // SAFETY: an out-pointer to a local.
+    (unsafe { get(&mut v) } == 0).then_some(v)
 }
 
 /// The compute capability (major, minor) of CUDA device `index`, from the CUDA runtime
@@ -173,62 +131,16 @@ pub fn compute_capability(index: usize) -> Option<(i32, i32)> {
     // cudaDevAttrComputeCapabilityMajor and ...Minor.
     const MAJOR: c_int = 75;
     const MINOR: c_int = 76;
-    // SAFETY: as in `runtime_version`; the symbol has the runtime's signature
+    // SAFETY: the CUDA runtime's
     // `cudaError_t cudaDeviceGetAttribute(int*, cudaDeviceAttr, int)`.
-    unsafe {
-        let sym = libc::dlsym(libc::RTLD_DEFAULT, c"cudaDeviceGetAttribute".as_ptr());
-        if sym.is_null() {
-            return None;
-        }
-        let get: unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int = std::mem::transmute(sym);
-        let (mut major, mut minor): (c_int, c_int) = (0, 0);
-        let device = c_int::try_from(index).ok()?;
-        (get(&mut major, MAJOR, device) == 0 && get(&mut minor, MINOR, device) == 0)
-            .then_some((major, minor))
-    }
-}
-
-/// Starts the CUDA driver (`cuInit`) and reads its CUDA version.
-pub fn driver_state() -> DriverState {
-    // SAFETY: dlopen/dlsym with constant names; the symbols have the driver API's
-    // signatures (`CUresult cuInit(unsigned)`, `cuDriverGetVersion(int*)`,
-    // `cuGetErrorString(CUresult, const char**)`). The library stays loaded: libtorch
-    // uses it too.
-    unsafe {
-        let lib = driver_library();
-        if lib.is_null() {
-            return DriverState::Absent;
-        }
-        let sym = |name: &CStr| libc::dlsym(lib, name.as_ptr());
-        let (init, version, error) = (
-            sym(c"cuInit"),
-            sym(c"cuDriverGetVersion"),
-            sym(c"cuGetErrorString"),
-        );
-        if init.is_null() || version.is_null() {
-            return DriverState::Absent;
-        }
-        let init: unsafe extern "C" fn(c_uint) -> c_int = std::mem::transmute(init);
-        let code = init(0);
-        if code != 0 {
-            let mut text: *const c_char = std::ptr::null();
-            if !error.is_null() {
-                let error: unsafe extern "C" fn(c_int, *mut *const c_char) -> c_int =
-                    std::mem::transmute(error);
-                error(code, &mut text);
-            }
-            let message = if text.is_null() {
-                "unknown error".to_string()
-            } else {
-                CStr::from_ptr(text).to_string_lossy().into_owned()
-            };
-            return DriverState::Fails { code, message };
-        }
-        let version: unsafe extern "C" fn(*mut c_int) -> c_int = std::mem::transmute(version);
-        let mut cuda: c_int = 0;
-        version(&mut cuda);
-        DriverState::Runs { cuda }
-    }
+    let get: unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int =
+        unsafe { loaded(c"cudaDeviceGetAttribute") }?;
+    let (mut major, mut minor): (c_int, c_int) = (0, 0);
+    let device = c_int::try_from(index).ok()?;
+    // SAFETY: out-pointers to locals.
+    let read =
+        unsafe { get(&mut major, MAJOR, device) == 0 && get(&mut minor, MINOR, device) == 0 };
+    read.then_some((major, minor))
 }
 
 #[cfg(test)]
@@ -239,7 +151,7 @@ mod tests {
     fn hidden_or_absent_gpus_are_no_problem_the_rest_are_named() {
         let runs = |cuda| DriverState::Runs { cuda };
         let no_device = DriverState::Fails {
-            code: CUDA_ERROR_NO_DEVICE,
+            code: ERROR_NO_DEVICE,
             message: "no CUDA-capable device is detected".into(),
         };
         // CUDA_VISIBLE_DEVICES= hides every GPU: a fallback, not a failure.

@@ -1,9 +1,11 @@
 //! NVIDIA's management library (`libnvidia-ml.so.1`, installed with the driver), loaded at
 //! run time so that the binary needs no NVIDIA library to start. Read: each GPU's UUID,
 //! utilisation, memory, power and energy, and the driver's and its CUDA's versions.
-use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void};
+use std::sync::OnceLock;
 
-use super::system::{GpuProbe, GpuSample};
+use super::{version_text, Library, LoadError};
+use crate::telemetry::{GpuProbe, GpuSample};
 
 type Device = *mut c_void;
 type Ret = c_int;
@@ -25,8 +27,8 @@ struct Memory {
 }
 
 /// The library's entry points this reads.
+#[derive(Clone, Copy)]
 pub struct Nvml {
-    _lib: Library,
     device_count: unsafe extern "C" fn(*mut c_uint) -> Ret,
     device_by_index: unsafe extern "C" fn(c_uint, *mut Device) -> Ret,
     uuid: unsafe extern "C" fn(Device, *mut c_char, c_uint) -> Ret,
@@ -40,46 +42,40 @@ pub struct Nvml {
     cuda_version: Option<unsafe extern "C" fn(*mut c_int) -> Ret>,
 }
 
-// SAFETY: NVML's functions are thread-safe (NVIDIA's documentation); the handle holds no
-// thread-bound state.
-unsafe impl Send for Nvml {}
-
-/// The library's handle. Never closed: NVML keeps state for the process (its own
-/// reference count of `nvmlInit`), and a second user may have it open.
-struct Library(*mut c_void);
+/// The library, opened once (never closed: NVML keeps state for the process, its own
+/// reference count of `nvmlInit`), with its entry points.
+fn library() -> Result<&'static (Nvml, unsafe extern "C" fn() -> Ret), LoadError> {
+    static NVML: OnceLock<Result<(Nvml, unsafe extern "C" fn() -> Ret), LoadError>> =
+        OnceLock::new();
+    NVML.get_or_init(|| {
+        let lib = Library::open("libnvidia-ml.so.1")?;
+        // SAFETY: each symbol has the C signature NVML's header declares for that name.
+        unsafe {
+            let nvml = Nvml {
+                device_count: lib.get(c"nvmlDeviceGetCount_v2")?,
+                device_by_index: lib.get(c"nvmlDeviceGetHandleByIndex_v2")?,
+                uuid: lib.get(c"nvmlDeviceGetUUID")?,
+                utilization: lib.get(c"nvmlDeviceGetUtilizationRates")?,
+                memory: lib.get(c"nvmlDeviceGetMemoryInfo")?,
+                power_usage: lib.get(c"nvmlDeviceGetPowerUsage")?,
+                power_limit: lib.get(c"nvmlDeviceGetEnforcedPowerLimit")?,
+                energy: lib.get(c"nvmlDeviceGetTotalEnergyConsumption")?,
+                driver_version: lib.get(c"nvmlSystemGetDriverVersion")?,
+                cuda_version: lib.optional(c"nvmlSystemGetCudaDriverVersion_v2"),
+            };
+            Ok((nvml, lib.get(c"nvmlInit_v2")?))
+        }
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
 
 impl Nvml {
     /// The library, initialised; `None` when it is not installed or finds no driver.
     pub fn open() -> Option<Nvml> {
-        // SAFETY: dlopen with a constant, NUL-terminated name.
-        let handle = unsafe { libc::dlopen(c"libnvidia-ml.so.1".as_ptr(), libc::RTLD_NOW) };
-        if handle.is_null() {
-            return None;
-        }
-        let lib = Library(handle);
-        let sym = |name: &CStr| -> Option<*mut c_void> {
-            // SAFETY: looking up a symbol in a handle that is open.
-            let p = unsafe { libc::dlsym(lib.0, name.as_ptr()) };
-            (!p.is_null()).then_some(p)
-        };
-        // SAFETY: each symbol has the C signature NVML's header declares for that name.
-        unsafe {
-            let init: unsafe extern "C" fn() -> Ret = cast(sym(c"nvmlInit_v2")?);
-            let nvml = Nvml {
-                device_count: cast(sym(c"nvmlDeviceGetCount_v2")?),
-                device_by_index: cast(sym(c"nvmlDeviceGetHandleByIndex_v2")?),
-                uuid: cast(sym(c"nvmlDeviceGetUUID")?),
-                utilization: cast(sym(c"nvmlDeviceGetUtilizationRates")?),
-                memory: cast(sym(c"nvmlDeviceGetMemoryInfo")?),
-                power_usage: cast(sym(c"nvmlDeviceGetPowerUsage")?),
-                power_limit: cast(sym(c"nvmlDeviceGetEnforcedPowerLimit")?),
-                energy: cast(sym(c"nvmlDeviceGetTotalEnergyConsumption")?),
-                driver_version: cast(sym(c"nvmlSystemGetDriverVersion")?),
-                cuda_version: sym(c"nvmlSystemGetCudaDriverVersion_v2").map(|p| cast(p)),
-                _lib: lib,
-            };
-            (init() == SUCCESS).then_some(nvml)
-        }
+        let (nvml, init) = library().ok()?;
+        // SAFETY: nvmlInit_v2 takes nothing; it counts its callers.
+        (unsafe { init() } == SUCCESS).then_some(*nvml)
     }
 
     /// The driver's version and the newest CUDA version it supports, e.g. ("580.65.06",
@@ -100,7 +96,7 @@ impl Nvml {
             "unknown".into()
         };
         let cuda = if c == SUCCESS {
-            format!("{}.{}", cuda / 1000, (cuda % 1000) / 10)
+            version_text(cuda)
         } else {
             "unknown".into()
         };
@@ -167,17 +163,6 @@ impl GpuProbe for Nvml {
     fn sample(&mut self) -> Vec<GpuSample> {
         (0..self.count()).filter_map(|i| self.read(i)).collect()
     }
-}
-
-/// A symbol's address as the function pointer type `F`.
-///
-/// # Safety
-/// The symbol must be a function with `F`'s signature.
-pub(crate) unsafe fn cast<F: Copy>(p: *mut c_void) -> F {
-    assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
-    // SAFETY: a function pointer has a pointer's size (checked); the caller vouches for
-    // the signature.
-    unsafe { std::mem::transmute_copy(&p) }
 }
 
 /// A NUL-terminated C string in `buf`, as text.

@@ -10,7 +10,7 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 
 use tch::Tensor;
 
-use super::{EngineSpec, FileErrors};
+use crate::engine::{EngineError, EngineSpec, FileErrors};
 
 extern "C" {
     fn vg_aoti_last_error() -> *const c_char;
@@ -83,7 +83,7 @@ impl Package {
         spec: &EngineSpec,
         gpu: Option<u32>,
         errors: &FileErrors,
-    ) -> Result<Self, super::EngineError> {
+    ) -> Result<Self, EngineError> {
         // The zip's directory and the metadata are checked before anything is unpacked.
         let mut package = super::package::open(&spec.file).map_err(|e| errors.error(e))?;
         let metadata = package.metadata(MODEL).map_err(|e| errors.error(e))?;

@@ -1,4 +1,4 @@
-// What tch does not expose of libtorch, as a few C functions for src/engine/cuda.rs: TF32
+// What tch does not expose of libtorch, as a few C functions for src/engine/libtorch/cuda.rs: TF32
 // switches, a stream of its own per instance thread, CUDA events for timings (so an
 // instance waits for its own stream, never for the whole device), and autocast on the CPU
 // as well as on CUDA (tch's switch is CUDA's alone). Only device-generic c10 headers: no CUDA headers are needed to build it, and
