@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::EngineSettings;
-use crate::engine::cuda_ipc::{CudaIpc, NoGpus};
 use crate::engine::registry::{Registry, RuntimeKind};
 use crate::engine::{Engine, FakeFaults};
 use crate::scheduler::EngineFactory;
@@ -34,8 +33,6 @@ pub struct Engines {
     /// GPUs of the host that CUDA cannot start on: `KIND_GPU` instances are planned on
     /// them so that they fail with the reason rather than run on the CPU.
     pub unusable_gpus: usize,
-    /// The GPUs' memory clients share by CUDA IPC handle (CUDA shared memory).
-    pub cuda_ipc: Arc<dyn CudaIpc>,
 }
 
 impl Engines {
@@ -48,21 +45,13 @@ impl Engines {
                 num_classes,
                 latency,
                 faults,
-            } => {
-                let cuda_ipc: Arc<dyn CudaIpc> = match &faults.cuda_ipc {
-                    Some(fake) => fake.clone(),
-                    None => Arc::new(NoGpus),
-                };
-                Ok(Engines {
-                    factory: Arc::new(move |spec, _| {
-                        Ok(Box::new(faults.load(&spec.file, num_classes, latency)?)
-                            as Box<dyn Engine>)
-                    }),
-                    gpu_count: 0,
-                    unusable_gpus: 0,
-                    cuda_ipc,
-                })
-            }
+            } => Ok(Engines {
+                factory: Arc::new(move |spec, _| {
+                    Ok(Box::new(faults.load(&spec.file, num_classes, latency)?) as Box<dyn Engine>)
+                }),
+                gpu_count: 0,
+                unusable_gpus: 0,
+            }),
         }
     }
 }
@@ -83,7 +72,6 @@ fn runtimes(settings: EngineSettings) -> anyhow::Result<Engines> {
         factory: Arc::new(move |spec, id| registry.load(spec, id)),
         gpu_count,
         unusable_gpus,
-        cuda_ipc: Arc::new(crate::engine::cuda_ipc::HostGpus::default()),
     })
 }
 

@@ -18,6 +18,7 @@ pub mod pipeline;
 pub mod preprocess;
 pub mod repository;
 pub mod scheduler;
+pub mod shm;
 pub mod shutdown;
 pub mod state;
 pub mod telemetry;
@@ -60,6 +61,17 @@ impl Gateway {
     /// Loads the repository, starts the models and binds the listeners. Returns once bound;
     /// the models finish loading in the background (see [`Gateway::wait_ready`]).
     pub async fn start(settings: Settings, engine: EngineChoice) -> anyhow::Result<Gateway> {
+        let gpu_memory = Arc::new(shm::HostGpus::default());
+        Gateway::start_with_gpu_memory(settings, engine, gpu_memory).await
+    }
+
+    /// As [`Gateway::start`], CUDA shared-memory regions opened through `gpu_memory` (the
+    /// host's GPUs, or a test's memory standing in for them).
+    pub async fn start_with_gpu_memory(
+        settings: Settings,
+        engine: EngineChoice,
+        gpu_memory: Arc<dyn shm::CudaIpc>,
+    ) -> anyhow::Result<Gateway> {
         let repositories =
             Repositories::open(&settings.control.repositories, &settings.control.remote)
                 .map_err(anyhow::Error::msg)
@@ -76,6 +88,7 @@ impl Gateway {
             &settings,
             scan,
             repositories,
+            gpu_memory,
             engines,
             decode_threads,
         ));
@@ -245,6 +258,7 @@ fn build_state(
     settings: &Settings,
     scan: repository::ScanResult,
     repositories: Repositories,
+    gpu_memory: Arc<dyn shm::CudaIpc>,
     engines: Engines,
     decode_threads: usize,
 ) -> AppState {
@@ -274,7 +288,7 @@ fn build_state(
             decode_threads,
             decode_memory: settings.decode_memory,
             server: settings.server.clone(),
-            cuda_ipc: engines.cuda_ipc,
+            cuda_ipc: gpu_memory,
         },
     )
 }

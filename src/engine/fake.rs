@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::cuda_ipc::FakeCudaIpc;
 use super::{BatchInput, Engine, EngineError, EngineOutput, OutputRequest};
 use crate::domain::{top_k, ClassScore};
 use crate::preprocess::{CpuReason, PreprocessError};
@@ -36,9 +35,6 @@ pub struct FakeFaults {
     /// pipeline then passes JPEGs on whole, and a JPEG it cannot decode is its row's own
     /// failure.
     pub decodes_jpeg: bool,
-    /// GPU memory clients can share by CUDA IPC handle, kept in host memory; none: a host
-    /// without GPUs.
-    pub cuda_ipc: Option<Arc<FakeCudaIpc>>,
 }
 
 /// Holds batches in the engine until the test lets them finish, so that a test about

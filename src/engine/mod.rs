@@ -1,7 +1,6 @@
 //! Model execution behind a small synchronous trait, so the scheduler can be tested with
 //! a fake. An engine is owned by one instance thread and never sees tasks or channels.
 
-pub mod cuda_ipc;
 mod fake;
 #[cfg(feature = "torch")]
 pub mod libtorch;

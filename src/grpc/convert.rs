@@ -344,7 +344,7 @@ mod tests {
             ..Default::default()
         };
         let r = infer_request(req).unwrap();
-        let place = crate::state::ShmRef {
+        let place = crate::shm::ShmRef {
             region: "r".into(),
             offset: 16,
             byte_size: 8,

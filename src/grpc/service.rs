@@ -10,8 +10,9 @@ use super::convert;
 use super::pb::{self, grpc_inference_service_server::GrpcInferenceService};
 use crate::error::GatewayError;
 use crate::kserve;
+use crate::shm::ShmKind;
 use crate::state::{
-    load_parameters, unload_parameters, AppState, ControlParam, Drain, Restrictions, ShmKind,
+    load_parameters, unload_parameters, AppState, ControlParam, Drain, Restrictions,
 };
 
 #[derive(Clone)]

@@ -6,7 +6,8 @@ use base64::Engine as _;
 use serde::Deserialize;
 
 use crate::error::{ErrorBody, ErrorKind, GatewayError};
-use crate::state::{AppState, CudaRegionStatus, RegionStatus, ShmError, ShmKind};
+use crate::shm::{CudaRegionStatus, RegionStatus, ShmError, ShmKind};
+use crate::state::AppState;
 
 /// A region to register: `byte_size` bytes at `offset` of the shared-memory object `key`.
 #[derive(Deserialize, utoipa::ToSchema)]

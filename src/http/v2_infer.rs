@@ -340,7 +340,7 @@ mod tests {
     use super::super::v2_json::{MAX_DIMS, MAX_PARAMETERS, MAX_TENSORS};
     use super::*;
     use crate::kserve::OutputTensor;
-    use crate::state::ShmRef;
+    use crate::shm::ShmRef;
 
     #[test]
     fn lists_and_parameters_are_bounded_while_parsed() {

@@ -22,7 +22,8 @@ use crate::scheduler::{
     RequestSpec, RowFailure, RowFailures, RowFormat, RowIn, RowOutput, RunError, RunResult,
     SchedulerError,
 };
-use crate::state::{AppState, ServedModel, ShmRef};
+use crate::shm::ShmRef;
+use crate::state::{AppState, ServedModel};
 
 /// One requested output; `classification: Some(k)` asks for the top k classes as BYTES
 /// `"score:index:label"` instead of the tensor (Triton's classification extension).

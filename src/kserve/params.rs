@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::RequestedOutput;
 use crate::domain::RequestOptions;
 use crate::error::GatewayError;
-use crate::state::ShmRef;
+use crate::shm::ShmRef;
 
 /// One parameter's value: what KServe parameters can hold.
 #[derive(Debug, Clone, PartialEq)]

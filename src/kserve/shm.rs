@@ -5,7 +5,8 @@
 use super::tensor::element_count;
 use super::{InputTensor, OutputTensor, RequestedOutput};
 use crate::error::{ErrorKind, GatewayError};
-use crate::state::{AppState, Place};
+use crate::shm::Place;
+use crate::state::AppState;
 
 /// The place of each output asked in shared memory, checked before the model runs and
 /// held until its data is written (an unregister meanwhile closes nothing under it).

@@ -121,7 +121,7 @@ pub struct InputTensor {
     pub data: Bytes,
     /// Where the data is when it is in system shared memory (`data` is empty until
     /// inference reads it).
-    pub shared_memory: Option<crate::state::ShmRef>,
+    pub shared_memory: Option<crate::shm::ShmRef>,
 }
 
 /// Elements of a shape; an error names a negative dimension or an overflow.

@@ -5,7 +5,6 @@ mod control;
 mod drain;
 mod registry;
 mod restrict;
-mod shm;
 mod table;
 
 use std::sync::Arc;
@@ -15,7 +14,6 @@ pub use control::{load_parameters, unload_parameters, ControlMode, ControlParam,
 pub use drain::{Drain, Work};
 pub use registry::Registry;
 pub use restrict::{ApiKeys, Endpoint, Restrictions, GRPC_HEADER_PREFIX};
-pub use shm::{CudaRegionStatus, Place, RegionStatus, SharedMemory, ShmError, ShmKind, ShmRef};
 pub use table::{ModelEntry, ModelTable};
 
 use crate::domain::{ModelVersion, Normalize};
@@ -156,7 +154,7 @@ pub struct StateSettings {
     pub decode_memory: u64,
     pub server: ServerOptions,
     /// How CUDA shared-memory regions are opened.
-    pub cuda_ipc: Arc<dyn crate::engine::cuda_ipc::CudaIpc>,
+    pub cuda_ipc: Arc<dyn crate::shm::CudaIpc>,
 }
 
 /// The state every transport shares.
@@ -170,7 +168,7 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub server: ServerOptions,
     /// The shared-memory regions clients registered (system and CUDA).
-    pub shared_memory: SharedMemory,
+    pub shared_memory: crate::shm::SharedMemory,
 }
 
 impl AppState {
@@ -193,7 +191,10 @@ impl AppState {
             drain: Default::default(),
             limits: settings.limits,
             metrics,
-            shared_memory: SharedMemory::new(settings.server.allow_client_shm, settings.cuda_ipc),
+            shared_memory: crate::shm::SharedMemory::new(
+                settings.server.allow_client_shm,
+                settings.cuda_ipc,
+            ),
             server: settings.server,
         }
     }

@@ -27,6 +27,11 @@ impl TestGateway {
         let gateway = Gateway::start(settings, engine)
             .await
             .expect("gateway starts");
+        Self::started(gateway).await
+    }
+
+    /// `gateway` once its models are ready (each must load).
+    pub async fn started(gateway: Gateway) -> TestGateway {
         let failures = gateway.wait_ready().await;
         assert!(failures.is_empty(), "models failed to load: {failures:?}");
         let base = format!("http://{}", gateway.http_addr.expect("listening"));

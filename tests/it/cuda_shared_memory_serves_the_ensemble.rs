@@ -11,11 +11,10 @@ use std::time::Duration;
 use base64::Engine as _;
 use common::{padded, photo, TestGateway};
 use visiongate::config::Config;
-use visiongate::engine::cuda_ipc::FakeCudaIpc;
-use visiongate::engine::FakeFaults;
 use visiongate::grpc::pb;
 use visiongate::grpc::pb::grpc_inference_service_client::GrpcInferenceServiceClient;
-use visiongate::EngineChoice;
+use visiongate::shm::FakeCudaIpc;
+use visiongate::{EngineChoice, Gateway};
 
 fn string(s: &str) -> pb::InferParameter {
     pb::InferParameter {
@@ -32,21 +31,20 @@ fn int(n: usize) -> pb::InferParameter {
 #[tokio::test]
 async fn cuda_regions_carry_the_ensembles_images_and_scores() {
     let gpus = Arc::new(FakeCudaIpc::new(2));
-    let gw = TestGateway::start_with(
-        Config {
-            allow_client_shm: true,
-            ..Config::for_tests()
-        },
-        EngineChoice::Fake {
-            num_classes: 1000,
-            latency: Duration::from_millis(1),
-            faults: Arc::new(FakeFaults {
-                cuda_ipc: Some(gpus.clone()),
-                ..Default::default()
-            }),
-        },
-    )
-    .await;
+    let config = Config {
+        allow_client_shm: true,
+        ..Config::for_tests()
+    };
+    let engine = EngineChoice::Fake {
+        num_classes: 1000,
+        latency: Duration::from_millis(1),
+        faults: Arc::default(),
+    };
+    let settings = config.validate().unwrap();
+    let gateway = Gateway::start_with_gpu_memory(settings, engine, gpus.clone())
+        .await
+        .unwrap();
+    let gw = TestGateway::started(gateway).await;
     let images: Vec<Vec<u8>> = ["sk_chelsea.jpg", "sk_coffee.jpg", "sk_astronaut.jpg"]
         .iter()
         .map(|n| photo("small", n).1)
