@@ -93,40 +93,8 @@ impl Gateway {
             decode_threads,
         ));
         let background = CancellationToken::new();
-        // Free memory back to the system after 10 s without a batch or a decode.
-        let idle = background.child_token();
-        tokio::spawn(memory::release_when_idle(Duration::from_secs(10), idle));
-        // No sync (a poll, an explicit load) changes a mirror before the models it holds
-        // have loaded from it.
-        let loading = state.registry.handles();
-        tokio::spawn(async move {
-            for handle in loading {
-                handle.wait_loaded().await;
-            }
-            drop(reading);
-        });
-        let poll_task = (settings.control.mode == state::ControlMode::Poll).then(|| {
-            let (state, stop) = (state.clone(), background.child_token());
-            tokio::spawn(async move { state.registry.poll_loop(stop).await })
-        });
-        let listen = settings.listen;
-        let http = match listening("HTTP", listen.http, "--allow-http") {
-            Some(at) => Some(start_http(&settings, &state, at)?),
-            None => None,
-        };
-        let grpc = match listening("gRPC", listen.grpc, "--allow-grpc") {
-            Some(at) => Some(start_grpc(&settings, &state, at).await?),
-            None => None,
-        };
-        let metrics = match listening("metrics", listen.metrics, "--allow-metrics") {
-            Some(at) => Some(start_metrics(
-                &settings,
-                &state,
-                at,
-                background.child_token(),
-            )?),
-            None => None,
-        };
+        let poll_task = spawn_background(&settings, &state, reading, &background);
+        let (http, grpc, metrics) = start_listeners(&settings, &state, &background).await?;
         Ok(Gateway {
             http_addr: http.as_ref().map(|l| l.addr),
             grpc_addr: grpc.as_ref().map(|l| l.addr),
@@ -291,6 +259,64 @@ fn build_state(
             cuda_ipc: gpu_memory,
         },
     )
+}
+
+/// The background tasks `stop` ends (each holds a child of `background`): the idle memory
+/// release, the repository's polls (returned, in poll mode), and the end of the start-up
+/// scan's `reading` once the models it found have loaded.
+fn spawn_background(
+    settings: &Settings,
+    state: &web::Data<AppState>,
+    reading: repository::Reading,
+    background: &CancellationToken,
+) -> Option<tokio::task::JoinHandle<()>> {
+    // Free memory back to the system after 10 s without a batch or a decode.
+    let idle = background.child_token();
+    tokio::spawn(memory::release_when_idle(Duration::from_secs(10), idle));
+    // No sync (a poll, an explicit load) changes a mirror before the models it holds
+    // have loaded from it.
+    let loading = state.registry.handles();
+    tokio::spawn(async move {
+        for handle in loading {
+            handle.wait_loaded().await;
+        }
+        drop(reading);
+    });
+    (settings.control.mode == state::ControlMode::Poll).then(|| {
+        let (state, stop) = (state.clone(), background.child_token());
+        tokio::spawn(async move { state.registry.poll_loop(stop).await })
+    })
+}
+
+/// The HTTP, gRPC and metrics listeners, each where the settings turn it on.
+async fn start_listeners(
+    settings: &Settings,
+    state: &web::Data<AppState>,
+    background: &CancellationToken,
+) -> anyhow::Result<(
+    Option<HttpListener>,
+    Option<GrpcListener>,
+    Option<HttpListener>,
+)> {
+    let listen = settings.listen;
+    let http = match listening("HTTP", listen.http, "--allow-http") {
+        Some(at) => Some(start_http(settings, state, at)?),
+        None => None,
+    };
+    let grpc = match listening("gRPC", listen.grpc, "--allow-grpc") {
+        Some(at) => Some(start_grpc(settings, state, at).await?),
+        None => None,
+    };
+    let metrics = match listening("metrics", listen.metrics, "--allow-metrics") {
+        Some(at) => Some(start_metrics(
+            settings,
+            state,
+            at,
+            background.child_token(),
+        )?),
+        None => None,
+    };
+    Ok((http, grpc, metrics))
 }
 
 fn start_http(

@@ -471,82 +471,100 @@ impl Mirror {
         }
     }
 
-    /// A store's error as a reason and one plain sentence: what was asked, the HTTP status
-    /// and the store's error code where it answered, the credentials' source where it
-    /// refused them. The store's own message (request URLs, response bodies) is left out.
+    /// A store's error as a reason and one plain sentence (`store_failure`); the store's
+    /// own text, when nothing else says what happened, to the debug log only.
     fn store_error(&self, what: &str, e: object_store::Error) -> RemoteError {
-        use object_store::Error as E;
-        let text = e.to_string();
-        let code = between(&text, "<Code>", "</Code>")
-            .or_else(|| between(&text, "\"reason\": \"", "\""))
-            .map(|c| format!(" ({c})"))
-            .unwrap_or_default();
-        let status = status(&text);
-        // A listing's refusal arrives as a generic error with its status.
-        let refused = status
-            .as_deref()
-            .is_some_and(|s| s.starts_with("401") || s.starts_with("403"));
-        let (reason, message) = match &e {
-            _ if refused => (
-                Reason::Credentials,
-                format!(
-                    "{what}: the store refused the credentials ({}{}); they came from {}",
-                    status.as_deref().unwrap_or(""),
-                    code.replace(" (", ", ").replace(')', ""),
-                    self.client.credentials
-                ),
-            ),
-            E::PermissionDenied { .. } | E::Unauthenticated { .. } => (
-                Reason::Credentials,
-                format!(
-                    "{what}: the store refused the credentials{code}; they came from {}",
-                    self.client.credentials
-                ),
-            ),
-            E::NotFound { .. } => (
-                Reason::NotFound,
-                format!("{what}: not found{code}; check the bucket (or container) and path"),
-            ),
-            _ => match http_kind(&e) {
-                Some(object_store::client::HttpErrorKind::Connect) => (
-                    Reason::Unreachable,
-                    format!("{what}: cannot connect to the store{}", retries(&text)),
-                ),
-                Some(object_store::client::HttpErrorKind::Timeout) => (
-                    Reason::Timeout,
-                    format!(
-                        "{what}: the store did not answer within --repository-timeout-secs{}",
-                        retries(&text)
-                    ),
-                ),
-                Some(_) => (
-                    Reason::Unreachable,
-                    format!(
-                        "{what}: the connection to the store failed{}",
-                        retries(&text)
-                    ),
-                ),
-                None => match status {
-                    Some(status) => (
-                        Reason::Other,
-                        format!("{what}: the store answered {status}{code}"),
-                    ),
-                    None => {
-                        // The store's text without query strings (a signed URL's) or secrets.
-                        let plain: Vec<&str> = text
-                            .split_whitespace()
-                            .map(|w| w.split('?').next().unwrap_or(""))
-                            .collect();
-                        tracing::debug!(repository = %self.url, "{what}: {}", self.client.redact(&plain.join(" ")));
-                        (
-                            Reason::Other,
-                            format!("{what}: the request to the store failed"),
-                        )
-                    }
-                },
-            },
-        };
+        let (reason, message, unexplained) = store_failure(what, &e, &self.client.credentials);
+        if let Some(text) = unexplained {
+            tracing::debug!(repository = %self.url, "{what}: {}", self.client.redact(&text));
+        }
         self.error(reason, message)
+    }
+}
+
+/// A store's error for `what` (a listing, an object) as a reason and one plain sentence:
+/// what was asked, the HTTP status and the store's error code where it answered, the
+/// credentials' source (`credentials`) where it refused them. The store's own message
+/// (request URLs, response bodies) is left out; when nothing else says what happened, it
+/// comes back third, without query strings (a signed URL's), for the debug log. The
+/// error's kind is object_store's (its variants, and the HTTP client's error kind in its
+/// sources); the status and error code of an answer object_store keeps as a generic error
+/// (a listing's refusal, a 5xx) are read from its text, since the error that holds them
+/// is private to object_store.
+fn store_failure(
+    what: &str,
+    e: &object_store::Error,
+    credentials: &str,
+) -> (Reason, String, Option<String>) {
+    use object_store::client::HttpErrorKind;
+    use object_store::Error as E;
+    let text = e.to_string();
+    let code = between(&text, "<Code>", "</Code>")
+        .or_else(|| between(&text, "\"reason\": \"", "\""))
+        .map(|c| format!(" ({c})"))
+        .unwrap_or_default();
+    let status = status(&text);
+    // A listing's refusal arrives as a generic error with its status.
+    let refused = status
+        .as_deref()
+        .is_some_and(|s| s.starts_with("401") || s.starts_with("403"));
+    let failure = |reason, message| (reason, message, None);
+    match e {
+        _ if refused => failure(
+            Reason::Credentials,
+            format!(
+                "{what}: the store refused the credentials ({}{}); they came from {credentials}",
+                status.as_deref().unwrap_or(""),
+                code.replace(" (", ", ").replace(')', ""),
+            ),
+        ),
+        E::PermissionDenied { .. } | E::Unauthenticated { .. } => failure(
+            Reason::Credentials,
+            format!(
+                "{what}: the store refused the credentials{code}; they came from {credentials}"
+            ),
+        ),
+        E::NotFound { .. } => failure(
+            Reason::NotFound,
+            format!("{what}: not found{code}; check the bucket (or container) and path"),
+        ),
+        _ => match http_kind(e) {
+            Some(HttpErrorKind::Connect) => failure(
+                Reason::Unreachable,
+                format!("{what}: cannot connect to the store{}", retries(&text)),
+            ),
+            Some(HttpErrorKind::Timeout) => failure(
+                Reason::Timeout,
+                format!(
+                    "{what}: the store did not answer within --repository-timeout-secs{}",
+                    retries(&text)
+                ),
+            ),
+            Some(_) => failure(
+                Reason::Unreachable,
+                format!(
+                    "{what}: the connection to the store failed{}",
+                    retries(&text)
+                ),
+            ),
+            None => match status {
+                Some(status) => failure(
+                    Reason::Other,
+                    format!("{what}: the store answered {status}{code}"),
+                ),
+                None => {
+                    let plain: Vec<&str> = text
+                        .split_whitespace()
+                        .map(|w| w.split('?').next().unwrap_or(""))
+                        .collect();
+                    (
+                        Reason::Other,
+                        format!("{what}: the request to the store failed"),
+                        Some(plain.join(" ")),
+                    )
+                }
+            },
+        },
     }
 }
 
@@ -717,6 +735,141 @@ fn retries(text: &str) -> String {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    use futures_util::TryStreamExt;
+    use object_store::aws::{AmazonS3, AmazonS3Builder};
+    use object_store::{BackoffConfig, ClientOptions, ObjectStore, RetryConfig};
+    use std::io::{Read, Write};
+    use std::time::Duration;
+
+    /// An S3 stand-in on loopback answering every request with `answer` (a whole HTTP/1.1
+    /// response), or, with `None`, reading the request and never answering.
+    fn canned(answer: Option<String>) -> u16 {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let (Ok(mut stream), answer) = (stream, answer.clone()) else {
+                    return;
+                };
+                std::thread::spawn(move || {
+                    let (mut buf, mut head) = ([0; 4096], Vec::new());
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match stream.read(&mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    match answer {
+                        Some(answer) => drop(stream.write_all(answer.as_bytes())),
+                        None => std::thread::sleep(Duration::from_secs(5)),
+                    }
+                });
+            }
+        });
+        port
+    }
+
+    /// An S3 answer with its error code, as S3 and the stores that imitate it send one.
+    fn s3_error(status: &str, code: &str) -> Option<String> {
+        let body = format!(
+            "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>{code}</Code>\
+             <Message>refused</Message><RequestId>1</RequestId></Error>"
+        );
+        Some(format!(
+            "HTTP/1.1 {status}\r\ncontent-type: application/xml\r\ncontent-length: {}\r\n\
+             connection: close\r\n\r\n{body}",
+            body.len()
+        ))
+    }
+
+    /// A client of the bucket `models` at `port`, retrying once, waiting 300 ms an answer.
+    fn store(port: u16) -> AmazonS3 {
+        AmazonS3Builder::new()
+            .with_bucket_name("models")
+            .with_region("us-east-1")
+            .with_endpoint(format!("http://127.0.0.1:{port}"))
+            .with_virtual_hosted_style_request(false)
+            .with_access_key_id("key")
+            .with_secret_access_key("secret")
+            .with_retry(RetryConfig {
+                backoff: BackoffConfig {
+                    init_backoff: Duration::from_millis(10),
+                    max_backoff: Duration::from_millis(40),
+                    base: 2.0,
+                },
+                max_retries: 1,
+                retry_timeout: Duration::from_secs(5),
+            })
+            .with_client_options(
+                ClientOptions::new()
+                    .with_allow_http(true)
+                    .with_timeout(Duration::from_millis(300)),
+            )
+            .build()
+            .unwrap()
+    }
+
+    async fn get(port: u16) -> (Reason, String, Option<String>) {
+        let path = object_store::path::Path::from("classifier/config.pbtxt");
+        let e = store(port).get(&path).await.err().unwrap();
+        store_failure("classifier/config.pbtxt", &e, "AWS_ACCESS_KEY_ID")
+    }
+
+    async fn list(port: u16) -> (Reason, String, Option<String>) {
+        let listing = store(port).list(None).try_collect::<Vec<_>>().await;
+        store_failure("listing", &listing.err().unwrap(), "AWS_ACCESS_KEY_ID")
+    }
+
+    #[tokio::test]
+    async fn store_answers_are_classified_by_their_kind_status_and_code() {
+        let (reason, message, _) = get(canned(s3_error("404 Not Found", "NoSuchKey"))).await;
+        assert_eq!(reason, Reason::NotFound);
+        assert_eq!(
+            message,
+            "classifier/config.pbtxt: not found (NoSuchKey); check the bucket (or container) \
+             and path"
+        );
+        let (reason, message, _) = get(canned(s3_error("403 Forbidden", "AccessDenied"))).await;
+        assert_eq!(reason, Reason::Credentials);
+        assert_eq!(
+            message,
+            "classifier/config.pbtxt: the store refused the credentials (403 Forbidden, \
+             AccessDenied); they came from AWS_ACCESS_KEY_ID"
+        );
+        // A listing's refusal is a generic error of object_store's: its status says it.
+        let (reason, message, _) = list(canned(s3_error("403 Forbidden", "AccessDenied"))).await;
+        assert_eq!(reason, Reason::Credentials);
+        assert_eq!(
+            message,
+            "listing: the store refused the credentials (403 Forbidden, AccessDenied); they \
+             came from AWS_ACCESS_KEY_ID"
+        );
+        let (reason, message, _) =
+            get(canned(s3_error("503 Service Unavailable", "SlowDown"))).await;
+        assert_eq!(reason, Reason::Other);
+        assert_eq!(
+            message,
+            "classifier/config.pbtxt: the store answered 503 Service Unavailable (SlowDown)"
+        );
+        // Nothing listens there any more.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = closed.local_addr().unwrap().port();
+        drop(closed);
+        let (reason, message, _) = get(port).await;
+        assert_eq!(reason, Reason::Unreachable);
+        assert_eq!(
+            message,
+            "classifier/config.pbtxt: cannot connect to the store (after 1 retries)"
+        );
+        let (reason, message, _) = list(canned(None)).await;
+        assert_eq!(reason, Reason::Timeout);
+        assert_eq!(
+            message,
+            "listing: the store did not answer within --repository-timeout-secs (after 1 \
+             retries)"
+        );
+    }
 
     #[test]
     fn the_default_cache_directory_is_checked_itself_not_what_a_link_points_at() {

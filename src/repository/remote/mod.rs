@@ -168,19 +168,6 @@ impl RemoteMetrics {
 }
 
 impl Repositories {
-    /// Local directories only (no cache, no network).
-    pub fn local(roots: Vec<PathBuf>) -> Repositories {
-        Repositories {
-            sources: roots.into_iter().map(Source::Local).collect(),
-            settings: None,
-            gate: Default::default(),
-            held: Default::default(),
-            metrics: RemoteMetrics::new(),
-            config_name: None,
-            skipped: Default::default(),
-        }
-    }
-
     /// The repositories of `locations`: a remote one gets its client (credentials read
     /// now) and its directory in the cache. Nothing is downloaded yet.
     pub fn open(locations: &[Location], settings: &RemoteSettings) -> Result<Repositories, String> {
