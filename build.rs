@@ -75,7 +75,7 @@ fn model_config_types() -> Vec<String> {
 /// on the run-time search path, so add an rpath to its lib dir. Neither `libtorch.so`
 /// nor `libtorch_cuda.so` (which `libtorch.so` names) is linked, as rustc's `--as-needed`
 /// leaves them out: the binary opens `libtorch_cuda.so` at run time on hosts with the
-/// NVIDIA driver (`engine::cuda_host::cuda_support`).
+/// NVIDIA driver (`engine::libtorch::cuda_host::cuda_support`).
 fn link_libtorch() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     let Ok(dir) = env::var("DEP_TCH_LIBTORCH_LIB") else {

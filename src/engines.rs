@@ -98,12 +98,14 @@ fn add_libtorch(
     Ok(gpus)
 }
 
-/// Without libtorch, the GPUs are those the driver sees: ONNX Runtime's CUDA provider
-/// says at a model's load whether it can use them.
+/// Without libtorch, the GPUs are those the CUDA driver shows this process (none where
+/// `CUDA_VISIBLE_DEVICES` hides them): ONNX Runtime's CUDA provider says at a model's load
+/// whether it can use them.
 #[cfg(not(feature = "torch"))]
 fn add_libtorch(_: &mut Registry, _: &EngineSettings) -> anyhow::Result<(usize, usize)> {
-    let gpus = crate::nvidia::Nvml::open().map_or(0, |nvml| nvml.count() as usize);
-    Ok((gpus, 0))
+    let driver = crate::nvidia::driver::driver().map_err(crate::nvidia::DriverError::from);
+    let gpus = driver.and_then(|d| d.init().and_then(|()| d.device_count()));
+    Ok((gpus.unwrap_or(0), 0))
 }
 
 #[cfg(feature = "onnx")]

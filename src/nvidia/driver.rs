@@ -4,6 +4,7 @@
 //! and device memory another process shares by CUDA IPC handle. Every failed call is a
 //! [`DriverError`] with the driver's own name for its code.
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::marker::PhantomData;
 use std::sync::OnceLock;
 
 use super::{Library, LoadError};
@@ -41,13 +42,19 @@ pub enum DriverError {
     OutOfRange { offset: u64, len: usize, size: u64 },
 }
 
-/// The entry points used, with the C signatures `cuda.h` gives them.
+/// The entry points every driver has, with the C signatures `cuda.h` gives them.
 struct Api {
     init: unsafe extern "C" fn(c_uint) -> CuResult,
     driver_version: unsafe extern "C" fn(*mut c_int) -> CuResult,
-    error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+    /// Missing from very old drivers: their codes are then named by number only.
+    error_string: Option<unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult>,
     device_count: unsafe extern "C" fn(*mut c_int) -> CuResult,
     device_get: unsafe extern "C" fn(*mut c_int, c_int) -> CuResult,
+}
+
+/// The entry points of primary contexts and IPC memory (their `_v2` names since CUDA 11):
+/// a driver without them still starts, and these calls fail saying which is missing.
+struct ContextApi {
     primary_retain: unsafe extern "C" fn(*mut Context, c_int) -> CuResult,
     primary_release: unsafe extern "C" fn(c_int) -> CuResult,
     push: unsafe extern "C" fn(Context) -> CuResult,
@@ -63,6 +70,7 @@ struct Api {
 /// The driver's entry points (its library is never closed).
 pub struct Driver {
     api: Api,
+    contexts: Result<ContextApi, LoadError>,
 }
 
 /// The driver, opened at the first call and kept for the process; `Err` where the NVIDIA
@@ -75,26 +83,30 @@ pub fn driver() -> Result<&'static Driver, LoadError> {
 fn open() -> Result<Driver, LoadError> {
     let library = Library::open("libcuda.so.1")?;
     // SAFETY: each symbol has the signature `cuda.h` declares for that name.
-    let api = unsafe {
-        Api {
+    unsafe {
+        let api = Api {
             init: library.get(c"cuInit")?,
             driver_version: library.get(c"cuDriverGetVersion")?,
-            error_string: library.get(c"cuGetErrorString")?,
+            error_string: library.optional(c"cuGetErrorString"),
             device_count: library.get(c"cuDeviceGetCount")?,
             device_get: library.get(c"cuDeviceGet")?,
-            primary_retain: library.get(c"cuDevicePrimaryCtxRetain")?,
-            primary_release: library.get(c"cuDevicePrimaryCtxRelease_v2")?,
-            push: library.get(c"cuCtxPushCurrent_v2")?,
-            pop: library.get(c"cuCtxPopCurrent_v2")?,
-            ipc_open: library.get(c"cuIpcOpenMemHandle_v2")?,
-            ipc_close: library.get(c"cuIpcCloseMemHandle")?,
-            address_range: library.get(c"cuMemGetAddressRange_v2")?,
-            to_host: library.get(c"cuMemcpyDtoH_v2")?,
-            to_device: library.get(c"cuMemcpyHtoD_v2")?,
-            stream_sync: library.get(c"cuStreamSynchronize")?,
-        }
-    };
-    Ok(Driver { api })
+        };
+        let contexts = (|| {
+            Ok(ContextApi {
+                primary_retain: library.get(c"cuDevicePrimaryCtxRetain")?,
+                primary_release: library.get(c"cuDevicePrimaryCtxRelease_v2")?,
+                push: library.get(c"cuCtxPushCurrent_v2")?,
+                pop: library.get(c"cuCtxPopCurrent_v2")?,
+                ipc_open: library.get(c"cuIpcOpenMemHandle_v2")?,
+                ipc_close: library.get(c"cuIpcCloseMemHandle")?,
+                address_range: library.get(c"cuMemGetAddressRange_v2")?,
+                to_host: library.get(c"cuMemcpyDtoH_v2")?,
+                to_device: library.get(c"cuMemcpyHtoD_v2")?,
+                stream_sync: library.get(c"cuStreamSynchronize")?,
+            })
+        })();
+        Ok(Driver { api, contexts })
+    }
 }
 
 impl Driver {
@@ -104,9 +116,11 @@ impl Driver {
             return Ok(());
         }
         let mut text: *const c_char = std::ptr::null();
-        // SAFETY: cuGetErrorString writes a static NUL-terminated string, or null for an
-        // unknown code.
-        unsafe { (self.api.error_string)(code, &mut text) };
+        if let Some(error_string) = self.api.error_string {
+            // SAFETY: cuGetErrorString writes a static NUL-terminated string, or null for
+            // an unknown code.
+            unsafe { error_string(code, &mut text) };
+        }
         let text = if text.is_null() {
             "unknown error".into()
         } else {
@@ -140,8 +154,15 @@ impl Driver {
         Ok(usize::try_from(count).unwrap_or(0))
     }
 
+    fn contexts(&self) -> Result<&ContextApi, DriverError> {
+        self.contexts
+            .as_ref()
+            .map_err(|e| DriverError::Load(e.clone()))
+    }
+
     /// GPU `ordinal`'s primary context, retained until dropped.
     pub fn primary_context(&'static self, ordinal: usize) -> Result<PrimaryContext, DriverError> {
+        let contexts = self.contexts()?;
         let ordinal = c_int::try_from(ordinal).map_err(|_| DriverError::Call {
             code: ERROR_NO_DEVICE,
             text: format!("no GPU {ordinal}"),
@@ -150,10 +171,11 @@ impl Driver {
         // SAFETY: out-pointers to locals; the retain is released by `PrimaryContext`'s drop.
         unsafe {
             self.check((self.api.device_get)(&mut device, ordinal))?;
-            self.check((self.api.primary_retain)(&mut context, device))?;
+            self.check((contexts.primary_retain)(&mut context, device))?;
         }
         Ok(PrimaryContext {
             driver: self,
+            api: contexts,
             device,
             context,
         })
@@ -189,6 +211,7 @@ pub fn state() -> DriverState {
 /// A device's primary context, retained.
 pub struct PrimaryContext {
     driver: &'static Driver,
+    api: &'static ContextApi,
     device: c_int,
     context: Context,
 }
@@ -203,9 +226,10 @@ impl PrimaryContext {
     pub fn enter(&self) -> Result<Current<'_>, DriverError> {
         // SAFETY: a context this process retained.
         self.driver
-            .check(unsafe { (self.driver.api.push)(self.context) })?;
+            .check(unsafe { (self.api.push)(self.context) })?;
         Ok(Current {
-            driver: self.driver,
+            api: self.api,
+            _thread: PhantomData,
         })
     }
 }
@@ -213,20 +237,22 @@ impl PrimaryContext {
 impl Drop for PrimaryContext {
     fn drop(&mut self) {
         // SAFETY: releases the retain `primary_context` took.
-        unsafe { (self.driver.api.primary_release)(self.device) };
+        unsafe { (self.api.primary_release)(self.device) };
     }
 }
 
-/// A context made current on this thread; popped when dropped.
+/// A context made current on this thread; popped when dropped, on this thread (it is not
+/// `Send`).
 pub struct Current<'a> {
-    driver: &'a Driver,
+    api: &'a ContextApi,
+    _thread: PhantomData<*const ()>,
 }
 
 impl Drop for Current<'_> {
     fn drop(&mut self) {
         let mut popped: Context = std::ptr::null_mut();
         // SAFETY: pops the context `enter` made current on this thread.
-        unsafe { (self.driver.api.pop)(&mut popped) };
+        unsafe { (self.api.pop)(&mut popped) };
     }
 }
 
@@ -245,7 +271,7 @@ impl IpcMemory {
         context: PrimaryContext,
         handle: &[u8; IPC_HANDLE_BYTES],
     ) -> Result<IpcMemory, DriverError> {
-        let driver = context.driver;
+        let (driver, api) = (context.driver, context.api);
         let (ptr, size) = {
             let _current = context.enter()?;
             let mut ptr: DevicePtr = 0;
@@ -253,15 +279,11 @@ impl IpcMemory {
             // SAFETY: out-pointers to locals; the handle is passed by value as `cuda.h`
             // declares; the mapping is closed by `IpcMemory`'s drop, or here on error.
             unsafe {
-                driver.check((driver.api.ipc_open)(
-                    &mut ptr,
-                    handle,
-                    LAZY_ENABLE_PEER_ACCESS,
-                ))?;
+                driver.check((api.ipc_open)(&mut ptr, handle, LAZY_ENABLE_PEER_ACCESS))?;
                 let (mut base, mut size): (DevicePtr, usize) = (0, 0);
-                let range = (driver.api.address_range)(&mut base, &mut size, ptr);
+                let range = (api.address_range)(&mut base, &mut size, ptr);
                 if let Err(e) = driver.check(range) {
-                    (driver.api.ipc_close)(ptr);
+                    (api.ipc_close)(ptr);
                     return Err(e);
                 }
                 // The handle names its allocation; the mapping starts at its base.
@@ -292,24 +314,24 @@ impl IpcMemory {
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), DriverError> {
         let from = self.address(offset, out.len())?;
         let _current = self.context.enter()?;
-        let driver = self.context.driver;
+        let (driver, api) = (self.context.driver, self.context.api);
         // SAFETY: `out` is writable for its length; the source lies inside the mapping.
         // A synchronous copy.
-        driver.check(unsafe { (driver.api.to_host)(out.as_mut_ptr().cast(), from, out.len()) })
+        driver.check(unsafe { (api.to_host)(out.as_mut_ptr().cast(), from, out.len()) })
     }
 
     /// Copies `data` to `offset`; in the client's memory when it returns.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), DriverError> {
         let to = self.address(offset, data.len())?;
         let _current = self.context.enter()?;
-        let driver = self.context.driver;
+        let (driver, api) = (self.context.driver, self.context.api);
         // SAFETY: `data` is readable for its length; the target lies inside the mapping.
         // From pageable memory the copy returns once the data is staged: the legacy
         // default stream it ran on is waited for, so that the data is in the client's
         // memory before the answer says so.
         unsafe {
-            driver.check((driver.api.to_device)(to, data.as_ptr().cast(), data.len()))?;
-            driver.check((driver.api.stream_sync)(std::ptr::null_mut()))
+            driver.check((api.to_device)(to, data.as_ptr().cast(), data.len()))?;
+            driver.check((api.stream_sync)(std::ptr::null_mut()))
         }
     }
 }
@@ -318,7 +340,7 @@ impl Drop for IpcMemory {
     fn drop(&mut self) {
         if let Ok(_current) = self.context.enter() {
             // SAFETY: closes the mapping `open` made, in its context.
-            unsafe { (self.context.driver.api.ipc_close)(self.ptr) };
+            unsafe { (self.context.api.ipc_close)(self.ptr) };
         }
         // `context` is released after this, by its own drop.
     }
@@ -452,9 +474,11 @@ mod tests {
         let api = Api {
             init,
             driver_version,
-            error_string,
+            error_string: Some(error_string),
             device_count,
             device_get,
+        };
+        let contexts = ContextApi {
             primary_retain: retain,
             primary_release: release,
             push,
@@ -466,7 +490,10 @@ mod tests {
             to_device,
             stream_sync,
         };
-        let driver: &'static Driver = Box::leak(Box::new(Driver { api }));
+        let driver: &'static Driver = Box::leak(Box::new(Driver {
+            api,
+            contexts: Ok(contexts),
+        }));
         driver.init().unwrap();
         assert_eq!(driver.device_count(), Ok(1));
         assert_eq!(driver.version(), Ok(13000));

@@ -6,13 +6,15 @@ use std::ptr::NonNull;
 /// Why a library or one of its symbols is not there.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LoadError {
-    #[error("cannot open {library}: {why}")]
+    /// `why` is the dynamic linker's message, which usually names the library itself.
+    #[error("{}", if why.starts_with(library.as_str()) { why.clone() } else { format!("cannot open {library}: {why}") })]
     Open { library: String, why: String },
     #[error("{library} has no {symbol}")]
     Symbol { library: String, symbol: String },
 }
 
-/// An opened library.
+/// An opened library. It has no `Drop`: closing it would leave every function pointer
+/// taken from it dangling.
 pub struct Library {
     name: String,
     handle: NonNull<c_void>,

@@ -39,6 +39,8 @@ pub(super) struct Inner {
     pub state: watch::Receiver<ModelState>,
     /// Stops the batcher, which ends the instance threads.
     pub stop: CancellationToken,
+    /// The same stop, as instance threads waiting to restart wait for it.
+    pub halt: Arc<super::supervisor::Halt>,
     /// Cancelled as the model retires: the batcher stops holding rows for a batch to fill.
     pub flush: CancellationToken,
     /// Wakes the batcher: a request left with rows queued (`Reply`).
@@ -170,6 +172,7 @@ impl ModelHandle {
     /// stopped taking requests.
     pub async fn shutdown(&self) {
         self.inner.stop.cancel();
+        self.inner.halt.halt();
         let threads =
             std::mem::take(&mut *self.inner.threads.lock().unwrap_or_else(|p| p.into_inner()));
         let joined = tokio::task::spawn_blocking(move || {

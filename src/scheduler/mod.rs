@@ -12,6 +12,7 @@ mod instance;
 pub mod policy;
 mod request;
 mod start;
+mod supervisor;
 mod tuning;
 
 use std::ops::Range;

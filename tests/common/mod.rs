@@ -24,9 +24,15 @@ impl TestGateway {
 
     pub async fn start_with(config: Config, engine: EngineChoice) -> TestGateway {
         let settings = config.validate().expect("test config is valid");
-        let gateway = Gateway::start(settings, engine)
-            .await
-            .expect("gateway starts");
+        // The fake engine's server has no GPUs, whatever the host has.
+        let gateway = match engine {
+            EngineChoice::Fake { .. } => {
+                let gpus = Arc::new(visiongate::shm::NoGpus);
+                Gateway::start_with_gpu_memory(settings, engine, gpus).await
+            }
+            EngineChoice::Runtimes => Gateway::start(settings, engine).await,
+        }
+        .expect("gateway starts");
         Self::started(gateway).await
     }
 
@@ -132,13 +138,14 @@ pub const CAT_CLASSES: [u64; 5] = [281, 282, 283, 284, 285];
 /// A gateway on the fake engine with `faults`, returned as soon as it listens (models may
 /// still be loading, or have failed: the test looks).
 pub async fn start_fake_gateway(config: Config, faults: visiongate::engine::FakeFaults) -> Gateway {
-    Gateway::start(
+    Gateway::start_with_gpu_memory(
         config.validate().expect("test config is valid"),
         EngineChoice::Fake {
             num_classes: 1000,
             latency: Duration::ZERO,
-            faults: std::sync::Arc::new(faults),
+            faults: Arc::new(faults),
         },
+        Arc::new(visiongate::shm::NoGpus),
     )
     .await
     .expect("gateway starts")
