@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::EngineSettings;
-use crate::engine::registry::{Registry, RuntimeKind};
+use crate::engine::registry::Registry;
 use crate::engine::{Engine, FakeFaults};
 use crate::scheduler::EngineFactory;
 
@@ -61,12 +61,7 @@ fn runtimes(settings: EngineSettings) -> anyhow::Result<Engines> {
     let mut registry = Registry::default();
     let (gpu_count, unusable_gpus) = add_libtorch(&mut registry, &settings)?;
     add_onnx_runtime(&mut registry, &settings);
-    let built: Vec<_> = [RuntimeKind::Libtorch, RuntimeKind::OnnxRuntime]
-        .into_iter()
-        .filter(|&kind| registry.has(kind))
-        .map(RuntimeKind::name)
-        .collect();
-    tracing::info!(runtimes = ?built, "model runtimes of this build");
+    tracing::info!(runtimes = ?registry.names(), "model runtimes of this build");
     let registry = Arc::new(registry);
     Ok(Engines {
         factory: Arc::new(move |spec, id| registry.load(spec, id)),
@@ -94,7 +89,7 @@ fn add_libtorch(
     })
     .map_err(anyhow::Error::msg)?;
     let gpus = (libtorch.gpus(), libtorch.unusable_gpus());
-    registry.add(RuntimeKind::Libtorch, libtorch);
+    registry.add(crate::engine::registry::RuntimeKind::Libtorch, libtorch);
     Ok(gpus)
 }
 
@@ -103,15 +98,14 @@ fn add_libtorch(
 /// whether it can use them.
 #[cfg(not(feature = "torch"))]
 fn add_libtorch(_: &mut Registry, _: &EngineSettings) -> anyhow::Result<(usize, usize)> {
-    let driver = crate::nvidia::driver::driver().map_err(crate::nvidia::DriverError::from);
-    let gpus = driver.and_then(|d| d.init().and_then(|()| d.device_count()));
-    Ok((gpus.unwrap_or(0), 0))
+    let gpus = crate::nvidia::driver::started().map_or(0, |(_, gpus)| gpus);
+    Ok((gpus, 0))
 }
 
 #[cfg(feature = "onnx")]
 fn add_onnx_runtime(registry: &mut Registry, settings: &EngineSettings) {
     registry.add(
-        RuntimeKind::OnnxRuntime,
+        crate::engine::registry::RuntimeKind::OnnxRuntime,
         crate::engine::OnnxRuntime {
             library: settings.onnxruntime_library.clone(),
             intra_op_threads: settings.intra_op_threads,

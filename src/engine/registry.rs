@@ -57,8 +57,11 @@ impl Registry {
         self.backends.insert(kind, Box::new(backend));
     }
 
-    pub fn has(&self, kind: RuntimeKind) -> bool {
-        self.backends.contains_key(&kind)
+    /// The runtimes it has, by name, sorted.
+    pub fn names(&self) -> Vec<&'static str> {
+        let mut names: Vec<_> = self.backends.keys().map(|k| k.name()).collect();
+        names.sort_unstable();
+        names
     }
 
     /// The engine of one instance of `spec`'s model, from the runtime its file needs.

@@ -182,6 +182,14 @@ impl Driver {
     }
 }
 
+/// The driver, started, and the GPUs it shows this process (none where
+/// `CUDA_VISIBLE_DEVICES` hides them).
+pub fn started() -> Result<(&'static Driver, usize), DriverError> {
+    let driver = driver()?;
+    driver.init()?;
+    Ok((driver, driver.device_count()?))
+}
+
 /// What the driver said when started.
 #[derive(Debug, Clone, PartialEq)]
 pub enum DriverState {

@@ -12,12 +12,11 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::instance::{instance_loop, Ended, InstanceContext, Slot};
+use super::start::EngineFactory;
 use super::tuning::{self, BatchSizeChoice, Tuned};
 use super::ModelState;
 use crate::domain::{InstanceId, WarmupSample};
 use crate::engine::{Engine, EngineSpec};
-
-use super::start::EngineFactory;
 
 /// How long an instance waits before a restart; doubled after each failed restart or
 /// panic before a finished batch, up to `RESTART_PAUSE_MAX`.

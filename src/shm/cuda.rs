@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use crate::nvidia::driver::{self, Driver, DriverError, IpcMemory};
+use crate::nvidia::driver::{self, Driver, IpcMemory};
 
 /// Bytes of a CUDA IPC handle (`CU_IPC_HANDLE_SIZE`).
 pub const HANDLE_BYTES: usize = driver::IPC_HANDLE_BYTES;
@@ -59,19 +59,11 @@ pub struct HostGpus {
 impl HostGpus {
     /// The driver, started, and the GPUs it sees.
     fn driver(&self) -> Option<(&'static Driver, usize)> {
-        *self.driver.get_or_init(|| {
-            let started = driver::driver()
-                .map_err(DriverError::from)
-                .and_then(|driver| {
-                    driver.init()?;
-                    Ok((driver, driver.device_count()?))
-                });
-            match started {
-                Ok(started) => Some(started),
-                Err(why) => {
-                    tracing::info!("CUDA shared memory: no GPUs ({why})");
-                    None
-                }
+        *self.driver.get_or_init(|| match driver::started() {
+            Ok(started) => Some(started),
+            Err(why) => {
+                tracing::info!("CUDA shared memory: no GPUs ({why})");
+                None
             }
         })
     }
