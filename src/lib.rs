@@ -77,7 +77,7 @@ impl Gateway {
                 .map_err(anyhow::Error::msg)
                 .context("opening the model repositories")?
                 .with_config_name(settings.control.config_name.clone());
-        let (scan, reading) = repositories
+        let scan = repositories
             .scan(&settings.control.limits)
             .await
             .context("reading the model repository")?;
@@ -93,7 +93,7 @@ impl Gateway {
             decode_threads,
         ));
         let background = CancellationToken::new();
-        let poll_task = spawn_background(&settings, &state, reading, &background);
+        let poll_task = spawn_background(&settings, &state, &background);
         let (http, grpc, metrics) = start_listeners(&settings, &state, &background).await?;
         Ok(Gateway {
             http_addr: http.as_ref().map(|l| l.addr),
@@ -224,7 +224,7 @@ fn decode_threads(settings: &Settings, scan: &repository::ScanResult, engines: &
 /// The shared state: the decode pool, and the models the control mode loads at start-up.
 fn build_state(
     settings: &Settings,
-    scan: repository::ScanResult,
+    scan: repository::Snapshot,
     repositories: Repositories,
     gpu_memory: Arc<dyn shm::CudaIpc>,
     engines: Engines,
@@ -262,26 +262,15 @@ fn build_state(
 }
 
 /// The background tasks `stop` ends (each holds a child of `background`): the idle memory
-/// release, the repository's polls (returned, in poll mode), and the end of the start-up
-/// scan's `reading` once the models it found have loaded.
+/// release and the repository's polls (returned, in poll mode).
 fn spawn_background(
     settings: &Settings,
     state: &web::Data<AppState>,
-    reading: repository::Reading,
     background: &CancellationToken,
 ) -> Option<tokio::task::JoinHandle<()>> {
     // Free memory back to the system after 10 s without a batch or a decode.
     let idle = background.child_token();
     tokio::spawn(memory::release_when_idle(Duration::from_secs(10), idle));
-    // No sync (a poll, an explicit load) changes a mirror before the models it holds
-    // have loaded from it.
-    let loading = state.registry.handles();
-    tokio::spawn(async move {
-        for handle in loading {
-            handle.wait_loaded().await;
-        }
-        drop(reading);
-    });
     (settings.control.mode == state::ControlMode::Poll).then(|| {
         let (state, stop) = (state.clone(), background.child_token());
         tokio::spawn(async move { state.registry.poll_loop(stop).await })

@@ -43,15 +43,15 @@ impl ImagePipeline {
     /// image that cannot be used (or whose batch the model failed) gets its own failure or
     /// fails the request. If `abort` resolves first, the request ends with its error at
     /// once, ahead of the images still decoding.
-    pub async fn classify<T>(
+    pub async fn classify<T, F: RowFailures>(
         &self,
         pool: &PreprocessPool,
         options: RequestOptions,
         want: OutputRequest,
-        failures: RowFailures,
+        failures: F,
         images: impl Stream<Item = Encoded<T>>,
         abort: impl Future<Output = GatewayError>,
-    ) -> RunResult<T> {
+    ) -> RunResult<T, F> {
         let gpu = self.classifier.decodes_on_gpu();
         let rows = decode(pool, &self.preprocess, gpu, images).map(|decoded| match decoded {
             Ok((tag, Ok(row))) => RowIn::Row(tag, row),
@@ -62,9 +62,10 @@ impl ImagePipeline {
             options,
             format: RowFormat::Image(self.normalize),
             want,
-            failures,
         };
-        self.classifier.run(spec, abortable(rows, abort)).await
+        self.classifier
+            .run(spec, failures, abortable(rows, abort))
+            .await
     }
 }
 

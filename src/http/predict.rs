@@ -20,7 +20,7 @@ use crate::error::{ErrorBody, ErrorKind, GatewayError};
 use crate::pace::BodyPace;
 use crate::pipeline::Encoded;
 use crate::preprocess::PreprocessError;
-use crate::scheduler::{BatchFailed, RowFailure, RowFailures, RowOutput};
+use crate::scheduler::{BatchFailed, OneByOne, RowFailure, RowOutput};
 use crate::state::AppState;
 
 const DEFAULT_MODEL: &str = "ensemble_model";
@@ -243,7 +243,7 @@ async fn classify(
         &state.pool,
         options,
         want,
-        RowFailures::OneByOne,
+        OneByOne,
         tokio_stream::wrappers::ReceiverStream::new(files_rx),
         abort,
     ));

@@ -18,10 +18,7 @@ use crate::error::{ErrorKind, GatewayError, HasKind};
 use crate::pipeline::{self, Encoded};
 use crate::preprocess::{PreprocessError, PreprocessSettings, Row};
 use crate::repository::{ModelKind, RepositoryModel};
-use crate::scheduler::{
-    RequestSpec, RowFailure, RowFailures, RowFormat, RowIn, RowOutput, RunError, RunResult,
-    SchedulerError,
-};
+use crate::scheduler::{RequestSpec, RowFormat, RowIn, RowOutput, RunError, RunResult, Together};
 use crate::shm::ShmRef;
 use crate::state::{AppState, ServedModel};
 
@@ -137,12 +134,12 @@ pub async fn infer(
                     &state.pool,
                     req.options,
                     want,
-                    RowFailures::Together,
+                    Together,
                     futures_util::stream::iter(images),
                     std::future::pending(),
                 )
                 .await;
-            let rows = every_row(rows, &input.name, &req.model)?;
+            let rows = answered(rows, &input.name, &req.model)?;
             classifier_outputs(&wanted, &rows, pipeline.labels.as_deref())?
         }
         ServedModel::Classifier { handle, .. } => {
@@ -154,10 +151,10 @@ pub async fn infer(
                 options: req.options,
                 format: RowFormat::TensorF32,
                 want,
-                failures: RowFailures::Together,
             };
             let rows = futures_util::stream::iter(rows).map(|row| RowIn::Row((), row));
-            let rows = every_row(handle.run(request, rows).await, &input.name, &req.model)?;
+            let rows = handle.run(request, Together, rows).await;
+            let rows = answered(rows, &input.name, &req.model)?;
             classifier_outputs(&wanted, &rows, spec.labels.as_deref())?
         }
         ServedModel::Preprocessor {
@@ -398,26 +395,18 @@ async fn decode_all(
     Ok(rows)
 }
 
-/// The outputs of a request whose rows fail together (the protocol has no per-row
-/// errors): every row's, or the request's error, an unusable row named by its place.
-fn every_row(
-    rows: RunResult<()>,
+/// Every row's output of a request whose rows fail together (the protocol has no per-row
+/// errors), or its error, an unusable row named by its place.
+fn answered(
+    rows: RunResult<(), Together>,
     input: &str,
     model: &str,
 ) -> Result<Vec<RowOutput>, GatewayError> {
-    let rows = rows.map_err(|e| match e {
-        RunError::Unusable { row, error } => BadRow::new(input, model, row, error).into(),
-        e => GatewayError::from(e),
-    })?;
-    rows.into_iter()
-        .enumerate()
-        .map(|(row, (_, output))| {
-            output.map_err(|failure| match failure {
-                RowFailure::Unusable(error) => BadRow::new(input, model, row, error).into(),
-                RowFailure::ModelFailed(e) => SchedulerError::Failed(e).into(),
-            })
-        })
-        .collect()
+    match rows {
+        Ok(rows) => Ok(rows.into_iter().map(|((), output)| output).collect()),
+        Err(RunError::Unusable { row, error }) => Err(BadRow::new(input, model, row, error).into()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// What the engine computes for `wanted`: the logits for a tensor output, the top k classes

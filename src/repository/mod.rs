@@ -9,7 +9,7 @@ mod spec;
 use std::path::{Path, PathBuf};
 
 pub use parse::{model_config_json, parse_model_config, parse_model_config_json};
-pub use remote::{Location, Reading, RemoteSettings, Repositories};
+pub use remote::{Location, RemoteSettings, Repositories, Snapshot};
 pub(crate) use spec::model_kind;
 pub use spec::{
     BatchingSpec, ClassifierSpec, EnsembleSpec, GroupKind, InstanceGroupSpec, ModelKind,

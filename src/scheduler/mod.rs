@@ -24,7 +24,7 @@ use tokio::sync::oneshot;
 pub use cache::ResponseCache;
 pub use handle::{ModelHandle, ModelState};
 pub use policy::{BatchPolicy, QueuePolicy};
-pub use request::{RequestSpec, RowFailures, RowIn, RunError, RunResult};
+pub use request::{OneByOne, RequestSpec, RowFailures, RowIn, RunError, RunResult, Together};
 pub use start::{start_model, EngineFactory, ModelSettings};
 pub use tuning::BatchSizeChoice;
 

@@ -34,18 +34,56 @@ pub struct RequestSpec {
     pub options: RequestOptions,
     pub format: RowFormat,
     pub want: OutputRequest,
-    pub failures: RowFailures,
 }
 
-/// How a request's rows fail.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RowFailures {
-    /// One by one: a row that fails gets its own `RowFailure` and the other rows keep
-    /// their outputs (`/predict`'s per-file answers).
-    OneByOne,
-    /// Together: the first row that fails ends the request, its queued rows dropped unrun
-    /// (KServe has no per-row errors).
-    Together,
+/// How a request's rows fail, and so what each of its rows answers.
+pub trait RowFailures: Copy {
+    /// What a row answers.
+    type Row;
+    /// The answer of a row whose input cannot be used (on arrival, or where it ran);
+    /// `place` is its place in arrival order. `Err` ends the request.
+    fn unusable(place: usize, error: PreprocessError) -> Result<Self::Row, RunError>;
+    /// The answer of a row that ran: its output, or the failure of its batch. `Err` ends
+    /// the request.
+    fn ran(place: usize, output: Result<RowOutput, RowFailure>) -> Result<Self::Row, RunError>;
+}
+
+/// Rows fail one by one: a row that fails gets its own `RowFailure` and the other rows keep
+/// their outputs (`/predict`'s per-file answers).
+#[derive(Debug, Clone, Copy)]
+pub struct OneByOne;
+
+impl RowFailures for OneByOne {
+    type Row = Result<RowOutput, RowFailure>;
+
+    fn unusable(_: usize, error: PreprocessError) -> Result<Self::Row, RunError> {
+        Ok(Err(RowFailure::Unusable(error)))
+    }
+
+    fn ran(_: usize, output: Result<RowOutput, RowFailure>) -> Result<Self::Row, RunError> {
+        Ok(output)
+    }
+}
+
+/// Rows fail together: the first row that fails ends the request, its queued rows dropped
+/// unrun, so a request that completes has every row's output (KServe has no per-row
+/// errors).
+#[derive(Debug, Clone, Copy)]
+pub struct Together;
+
+impl RowFailures for Together {
+    type Row = RowOutput;
+
+    fn unusable(place: usize, error: PreprocessError) -> Result<RowOutput, RunError> {
+        Err(RunError::Unusable { row: place, error })
+    }
+
+    fn ran(place: usize, output: Result<RowOutput, RowFailure>) -> Result<RowOutput, RunError> {
+        output.map_err(|failure| match failure {
+            RowFailure::ModelFailed(failed) => RunError::Scheduler(SchedulerError::Failed(failed)),
+            RowFailure::Unusable(error) => RunError::Unusable { row: place, error },
+        })
+    }
 }
 
 /// One row of a request as it arrives, with the caller's tag for it (a file's name).
@@ -80,8 +118,8 @@ impl From<RunError> for GatewayError {
     }
 }
 
-/// Each row's tag and its output (or why it has none), in the order the rows came.
-pub type RunResult<T> = Result<Vec<(T, Result<RowOutput, RowFailure>)>, RunError>;
+/// Each row's tag and its answer (as `F` answers rows), in the order the rows came.
+pub type RunResult<T, F> = Result<Vec<(T, <F as RowFailures>::Row)>, RunError>;
 
 impl ModelHandle {
     /// Runs one request: once its first row is there, takes a place in the queue (or
@@ -90,11 +128,12 @@ impl ModelHandle {
     /// every row in order. A request still waiting for its first row (a slow upload) holds
     /// no place. Dropping the future cancels the request: its queued rows leave the queue
     /// unrun and it counts as Triton's `CANCELED`. Every outcome is counted once, here.
-    pub async fn run<T>(
+    pub async fn run<T, F: RowFailures>(
         &self,
         spec: RequestSpec,
+        _: F,
         rows: impl Stream<Item = RowIn<T>>,
-    ) -> RunResult<T> {
+    ) -> RunResult<T, F> {
         // Refused at once, before any row is read, when it would be at its first row.
         if let Err(e) = self.would_admit(spec.options) {
             self.account(Outcome::Failed(e.reason()), Instant::now());
@@ -121,7 +160,7 @@ impl ModelHandle {
                 return Err(RunError::Scheduler(e));
             }
         };
-        let result = admission.feed(spec, rows).await;
+        let result = admission.feed::<T, F>(spec, rows).await;
         admission.finish(if admission.batch_failed {
             Outcome::Failed(reason::BACKEND)
         } else {
@@ -264,14 +303,14 @@ struct Admission {
 
 impl Admission {
     /// Submits the rows in chunks as they arrive, then waits for every chunk's outputs.
-    async fn feed<T>(
+    async fn feed<T, F: RowFailures>(
         &mut self,
         spec: RequestSpec,
         rows: impl Stream<Item = RowIn<T>>,
-    ) -> RunResult<T> {
-        // Per row in arrival order: its tag, and its own failure (`None`: it takes the next
-        // output).
-        let mut slots: Vec<(T, Option<RowFailure>)> = Vec::new();
+    ) -> RunResult<T, F> {
+        // Per row in arrival order: its tag, and its answer if it has one on arrival
+        // (`None`: it takes the next output).
+        let mut slots: Vec<(T, Option<F::Row>)> = Vec::new();
         let mut pending = Vec::new();
         let mut chunk = Vec::with_capacity(CHUNK_ROWS);
         let mut rows = std::pin::pin!(rows);
@@ -293,14 +332,9 @@ impl Admission {
                     chunk.push(row);
                     slots.push((tag, None));
                 }
-                Some(RowIn::Unusable(_, error)) if spec.failures == RowFailures::Together => {
-                    return Err(RunError::Unusable {
-                        row: slots.len(),
-                        error,
-                    })
-                }
                 Some(RowIn::Unusable(tag, error)) => {
-                    slots.push((tag, Some(RowFailure::Unusable(error))))
+                    let answer = F::unusable(slots.len(), error)?;
+                    slots.push((tag, Some(answer)));
                 }
                 Some(RowIn::Abort(e)) => return Err(RunError::Aborted(e)),
             }
@@ -317,23 +351,10 @@ impl Admission {
         for chunk in pending {
             for output in chunk.wait(&self.handle.inner).await? {
                 let place = places.next().unwrap_or(slots.len());
-                match (&output, spec.failures) {
-                    (Err(RowFailure::ModelFailed(failed)), failures) => {
-                        self.batch_failed = true;
-                        if failures == RowFailures::Together {
-                            let failed = SchedulerError::Failed(failed.clone());
-                            return Err(RunError::Scheduler(failed));
-                        }
-                    }
-                    (Err(RowFailure::Unusable(error)), RowFailures::Together) => {
-                        return Err(RunError::Unusable {
-                            row: place,
-                            error: error.clone(),
-                        })
-                    }
-                    _ => {}
+                if let Err(RowFailure::ModelFailed(_)) = output {
+                    self.batch_failed = true;
                 }
-                outputs.push(output);
+                outputs.push(F::ran(place, output)?);
             }
         }
         let mut outputs = outputs.into_iter();
@@ -344,7 +365,7 @@ impl Admission {
                     .next()
                     .map(|output| (tag, output))
                     .ok_or_else(|| missing_outputs(&self.handle.inner)),
-                Some(failure) => Ok((tag, Err(failure))),
+                Some(answer) => Ok((tag, answer)),
             })
             .collect()
     }

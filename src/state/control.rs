@@ -106,7 +106,7 @@ pub fn unload_parameters(
 
 impl Registry {
     /// The table at start-up: what the control mode loads, started (still warming up).
-    pub(super) fn initial_table(&self, scan: ScanResult) -> ModelTable {
+    pub(super) fn initial_table(&self, scan: &ScanResult) -> ModelTable {
         let mut table = ModelTable::default();
         for f in &scan.failures {
             tracing::error!(model = f.model, "model not loaded: {}", f.error);
@@ -123,7 +123,7 @@ impl Registry {
         };
         let mut models = Vec::new();
         for name in wanted {
-            match with_steps(&scan, &name) {
+            match with_steps(scan, &name) {
                 Ok(found) => models.extend(found),
                 Err(e) => {
                     tracing::error!(model = name, "{e}");
@@ -176,7 +176,7 @@ impl Registry {
         ModelName::check(name).map_err(GatewayError::invalid)?;
         let limits = self.control.limits;
         // The mirrors stay as scanned until this load is done.
-        let (mut scan, _reading) = self
+        let mut scan = self
             .repositories
             .scan(&limits)
             .await
@@ -338,7 +338,7 @@ impl Registry {
             () = stop.cancelled() => return,
         };
         // The mirrors stay as scanned until this poll's loads are done.
-        let (scan, _reading) = match scanned {
+        let scan = match scanned {
             Ok(scanned) => scanned,
             Err(e) => {
                 return tracing::error!("repository poll failed, serving what is loaded: {e}")

@@ -176,7 +176,7 @@ impl AppState {
     /// inside a Tokio runtime). Models that fail are listed as unavailable; the others
     /// serve.
     pub fn build(
-        scan: crate::repository::ScanResult,
+        scan: crate::repository::Snapshot,
         opts: BuildOptions,
         settings: StateSettings,
     ) -> AppState {

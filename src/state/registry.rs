@@ -7,7 +7,7 @@ use std::sync::{Arc, RwLock};
 use super::{BuildOptions, ControlSettings, LookupError, ModelTable, ServedModel};
 use crate::domain::{ModelName, ModelVersion};
 use crate::pipeline::ImagePipeline;
-use crate::repository::{Repositories, ScanResult};
+use crate::repository::{Repositories, Snapshot};
 use crate::scheduler::ModelHandle;
 
 pub struct Registry {
@@ -25,8 +25,10 @@ pub struct Registry {
 
 impl Registry {
     /// Starts the models the control mode loads at start-up (call inside a Tokio runtime).
+    /// The scan's snapshot is kept until they have loaded: no sync (a poll, an explicit
+    /// load) changes a mirror before the models it holds have loaded from it.
     pub fn start(
-        scan: ScanResult,
+        scan: Snapshot,
         build: BuildOptions,
         control: ControlSettings,
         repositories: Repositories,
@@ -39,8 +41,15 @@ impl Registry {
             control_lock: tokio::sync::Mutex::new(()),
             retiring: Default::default(),
         };
-        let table = registry.initial_table(scan);
+        let table = registry.initial_table(&scan);
         registry.replace_table(table);
+        let loading = registry.handles();
+        tokio::spawn(async move {
+            for handle in loading {
+                handle.wait_loaded().await;
+            }
+            drop(scan);
+        });
         registry
     }
 

@@ -109,8 +109,25 @@ pub struct Repositories {
     skipped: std::sync::Mutex<Vec<Vec<Skipped>>>,
 }
 
-/// Held while models load from what a scan read: the mirrors do not change meanwhile.
-pub type Reading = tokio::sync::OwnedRwLockReadGuard<()>;
+/// What a scan found. No sync changes a mirror while it lives, so the loads of what it
+/// found read the files it read: keep it until they are done.
+pub struct Snapshot {
+    scan: ScanResult,
+    _reading: tokio::sync::OwnedRwLockReadGuard<()>,
+}
+
+impl std::ops::Deref for Snapshot {
+    type Target = ScanResult;
+    fn deref(&self) -> &ScanResult {
+        &self.scan
+    }
+}
+
+impl std::ops::DerefMut for Snapshot {
+    fn deref_mut(&mut self) -> &mut ScanResult {
+        &mut self.scan
+    }
+}
 
 /// The remote repositories' series (registered with the server's others).
 #[derive(Clone)]
@@ -245,8 +262,8 @@ impl Repositories {
     /// repositories. A remote repository that cannot be read fails the scan (nothing is
     /// taken for removed); a model that could not be brought up to date is a failure of
     /// the scan's, not one of its models, whatever its mirror still holds. The mirrors
-    /// stay as scanned while the returned guard is held (the loads of what it found).
-    pub async fn scan(&self, limits: &Limits) -> Result<(ScanResult, Reading), RepositoryError> {
+    /// stay as scanned while the snapshot lives.
+    pub async fn scan(&self, limits: &Limits) -> Result<Snapshot, RepositoryError> {
         let writing = self.gate.clone().write_owned().await;
         let failures = self.sync().await?;
         let reading = writing.downgrade();
@@ -287,7 +304,10 @@ impl Repositories {
             })
             .collect();
         drop(skipped);
-        Ok((scan, reading))
+        Ok(Snapshot {
+            scan,
+            _reading: reading,
+        })
     }
 
     /// Call with the gate held to write.
