@@ -2,13 +2,116 @@
 //! server's settings into the registry (`engine::registry`) whose factory every instance
 //! thread calls, or the deterministic fake of the tests. A new runtime is a module of
 //! `engine/` under its own Cargo feature, started here.
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::EngineSettings;
+use crate::config;
+use crate::domain::Precision;
 use crate::engine::registry::Registry;
 use crate::engine::{Engine, FakeFaults};
 use crate::scheduler::EngineFactory;
+
+/// How the engines run.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EngineFlags {
+    /// Intra-op threads per model instance (libtorch's, and ONNX Runtime's where a model's
+    /// config sets no intra_op_thread_count). 1 is best when there are as many CPU
+    /// instances as cores: more threads per instance spin-wait against each other. GPU
+    /// instances keep to it too, leaving the cores to decoding.
+    #[arg(long, env = "VISIONGATE_INTRA_OP_THREADS", default_value_t = 1)]
+    pub intra_op_threads: usize,
+
+    /// The ONNX Runtime shared library ONNX models run on (PyPI's onnxruntime wheel has it
+    /// as onnxruntime/capi/libonnxruntime.so.VERSION; `make setup` installs it and
+    /// scripts/env.sh points here). Opened when the first ONNX model loads. Unset: the
+    /// dynamic linker's search for libonnxruntime.so.
+    #[arg(long, env = "VISIONGATE_ONNXRUNTIME_LIBRARY")]
+    pub onnxruntime_library: Option<PathBuf>,
+
+    /// TF32 on NVIDIA GPUs that have it (Ampere and later): FP32 convolutions and matmuls
+    /// with a 10-bit mantissa, several times faster. `default` keeps libtorch's choice (on
+    /// for cuDNN convolutions, off for cuBLAS matmuls); `on` and `off` set both. No effect
+    /// on the CPU.
+    #[arg(long, env = "VISIONGATE_TF32", value_enum, default_value = "default")]
+    pub tf32: Tf32,
+
+    /// Every TorchScript classifier's precision, instead of its config's `precision`
+    /// parameter: `fp32`, `bf16` (autocast: convolutions and matmuls in bfloat16; CPUs with
+    /// AVX-512 BF16 or AMX, and GPUs) or `fp16` (GPUs only). A model whose device cannot run
+    /// it fails its load saying so. ONNX models keep fp32 (logged).
+    #[arg(long, env = "VISIONGATE_PRECISION", value_parser = config::precision)]
+    pub precision: Option<Precision>,
+
+    /// Decode JPEGs on the GPU (nvJPEG: the hardware decoder where the GPU has one, its
+    /// CUDA decoder elsewhere) for image ensembles whose classifier runs there; progressive,
+    /// CMYK, 4:1:1, 12-bit and damaged JPEGs, JPEGs the CPU path decodes at a DCT scale and
+    /// other formats stay on the CPU. Off by default: on an H200 with 16 cores it was not
+    /// faster than the CPU's decode threads (docs/performance.md). No effect without a GPU.
+    #[arg(long, env = "VISIONGATE_GPU_DECODE", default_value_t = false, action = clap::ArgAction::Set)]
+    pub gpu_decode: bool,
+
+    /// nvJPEG's shared library (PyPI's nvidia-nvjpeg wheel has it as
+    /// nvidia/cu13/lib/libnvjpeg.so.13; `make setup` installs it and scripts/env.sh points
+    /// here). Opened at start where an instance runs on a GPU. Unset: the dynamic linker's
+    /// search for libnvjpeg.so.13.
+    #[arg(long, env = "VISIONGATE_NVJPEG_LIBRARY")]
+    pub nvjpeg_library: Option<PathBuf>,
+
+    /// Device memory each GPU instance's JPEG decode may hold at once: a group's decoded
+    /// planes (3 bytes a pixel at the decoded size) and one image's float copy while it is
+    /// resized (12 bytes a pixel). A batch's JPEGs are decoded in groups that fit; an image
+    /// that alone needs more is decoded on the CPU.
+    #[arg(long, env = "VISIONGATE_GPU_DECODE_MEMORY_BYTES", default_value_t = 1 << 30,
+          value_parser = clap::value_parser!(u64).range(1 << 20..))]
+    pub gpu_decode_memory_bytes: u64,
+}
+
+impl EngineFlags {
+    pub fn settings(&self) -> Result<EngineSettings, String> {
+        if self.intra_op_threads == 0 {
+            return Err("--intra-op-threads must be at least 1".into());
+        }
+        Ok(EngineSettings {
+            intra_op_threads: self.intra_op_threads,
+            tf32: self.tf32,
+            onnxruntime_library: self.onnxruntime_library.clone(),
+            gpu_decode: self.gpu_decode.then(|| GpuDecode {
+                library: self.nvjpeg_library.clone(),
+                memory_bytes: self.gpu_decode_memory_bytes,
+            }),
+        })
+    }
+}
+
+/// `--tf32`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Tf32 {
+    Default,
+    On,
+    Off,
+}
+
+/// How the engines run.
+#[derive(Debug, Clone)]
+pub struct EngineSettings {
+    /// Intra-op threads per instance (libtorch's; ONNX Runtime's unless a config sets them).
+    pub intra_op_threads: usize,
+    pub tf32: Tf32,
+    /// The ONNX Runtime library (`None`: the dynamic linker's search).
+    pub onnxruntime_library: Option<PathBuf>,
+    /// JPEG decode on GPU instances (`None`: turned off).
+    pub gpu_decode: Option<GpuDecode>,
+}
+
+/// JPEG decode on the GPU.
+#[derive(Debug, Clone)]
+pub struct GpuDecode {
+    /// nvJPEG (`None`: the dynamic linker's search).
+    pub library: Option<PathBuf>,
+    /// Device memory each instance's decoded images may hold at once.
+    pub memory_bytes: u64,
+}
 
 /// Which engines run the classifiers.
 #[derive(Clone)]
@@ -76,7 +179,6 @@ fn add_libtorch(
     registry: &mut Registry,
     settings: &EngineSettings,
 ) -> anyhow::Result<(usize, usize)> {
-    use crate::config::Tf32;
     use crate::engine::libtorch::{Libtorch, Options};
     let libtorch = Libtorch::start(Options {
         intra_op_threads: settings.intra_op_threads,

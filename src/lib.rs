@@ -18,6 +18,7 @@ pub mod pipeline;
 pub mod preprocess;
 pub mod repository;
 pub mod scheduler;
+pub mod settings;
 pub mod shm;
 pub mod shutdown;
 pub mod state;
@@ -31,12 +32,13 @@ use actix_web::web;
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
-use config::{Bind, Settings};
 pub use engines::EngineChoice;
 use engines::Engines;
+use listeners::Bind;
 use listeners::{GrpcListener, HttpListener};
 use repository::Repositories;
 use scheduler::ModelState;
+use settings::Settings;
 use state::{AppState, BuildOptions, StateSettings};
 
 /// A running gateway: its bound addresses (`None`: that listener is off, Triton's
@@ -211,7 +213,7 @@ fn decode_threads(settings: &Settings, scan: &repository::ScanResult, engines: &
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = settings
         .decode_threads
-        .unwrap_or_else(|| config::decode_threads(cores, gpu_instances));
+        .unwrap_or_else(|| preprocess::decode_threads(cores, gpu_instances));
     tracing::info!(
         decode_threads = threads,
         cores,

@@ -1,7 +1,7 @@
 //! The three listeners, each started by one constructor and closed by its `stop()`: HTTP
 //! and metrics (actix-web servers in a task), gRPC (tonic, with a kill switch for the
 //! connections that outlast a graceful close).
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use actix_http::{HttpMessage, HttpService, Request};
@@ -12,12 +12,134 @@ use anyhow::Context;
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Bind;
+use crate::config;
 use crate::grpc;
 
 /// How long a listener gets to close once the requests under way are answered (or the
 /// exit timeout is up): idle connections close at once, what is left is cut.
 pub const LISTENER_CLOSE: Duration = Duration::from_secs(2);
+
+/// Where the listeners bind, and the HTTP server's threads.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ListenFlags {
+    /// Address to listen on. 0.0.0.0 serves every interface; 127.0.0.1 only this host.
+    #[arg(long, env = "VISIONGATE_HOST", default_value = "0.0.0.0")]
+    pub host: IpAddr,
+
+    /// The address the HTTP listener binds (Triton's `--http-address`; default: `--host`):
+    /// an IP address (IPv6 also as `[::1]` or Triton's `ipv6:[::1]`) or a host name.
+    #[arg(long, value_parser = config::address)]
+    pub http_address: Option<IpAddr>,
+
+    /// The address the gRPC listener binds (Triton's `--grpc-address`; default: `--host`).
+    #[arg(long, value_parser = config::address)]
+    pub grpc_address: Option<IpAddr>,
+
+    /// The address the metrics listener binds (Triton's `--metrics-address`; default:
+    /// `--http-address`, as in Triton, else `--host`).
+    #[arg(long, value_parser = config::address)]
+    pub metrics_address: Option<IpAddr>,
+
+    /// Let other processes listen on the HTTP port too (SO_REUSEPORT; Triton's
+    /// `--reuse-http-port`): the kernel spreads new connections over every server that set
+    /// it, so each must serve the same models.
+    #[arg(long, value_parser = config::boolean, default_value = "false", action = clap::ArgAction::Set)]
+    pub reuse_http_port: bool,
+
+    /// The same for the gRPC port (Triton's `--reuse-grpc-port`).
+    #[arg(long, value_parser = config::boolean, default_value = "false", action = clap::ArgAction::Set)]
+    pub reuse_grpc_port: bool,
+
+    /// Serve HTTP (Triton's `--allow-http`; booleans take a value: true/on/1,
+    /// false/off/0).
+    #[arg(long, value_parser = config::boolean, default_value = "true", action = clap::ArgAction::Set)]
+    pub allow_http: bool,
+
+    /// Serve gRPC (Triton's `--allow-grpc`).
+    #[arg(long, value_parser = config::boolean, default_value = "true", action = clap::ArgAction::Set)]
+    pub allow_grpc: bool,
+
+    /// Serve Prometheus metrics (Triton's `--allow-metrics`).
+    #[arg(long, value_parser = config::boolean, default_value = "true", action = clap::ArgAction::Set)]
+    pub allow_metrics: bool,
+
+    /// HTTP port (/predict, /v2 health). Triton's default is 8000; 0 picks a free port.
+    #[arg(long, env = "VISIONGATE_HTTP_PORT", default_value_t = 8000)]
+    pub http_port: u16,
+
+    /// gRPC port (KServe v2 `inference.GRPCInferenceService`, what `tritonclient.grpc`
+    /// calls). Triton's default is 8001; 0 picks a free port.
+    #[arg(long, env = "VISIONGATE_GRPC_PORT", default_value_t = 8001)]
+    pub grpc_port: u16,
+
+    /// Prometheus metrics port (`GET /metrics`, Triton's metric names). Triton's default
+    /// is 8002; 0 picks a free port.
+    #[arg(long, env = "VISIONGATE_METRICS_PORT", default_value_t = 8002)]
+    pub metrics_port: u16,
+
+    /// HTTP worker threads (async I/O only; decoding and inference have their own
+    /// threads; also Triton's `--http-thread-count`). 0: one per CPU core.
+    #[arg(
+        long,
+        visible_alias = "http-thread-count",
+        env = "VISIONGATE_HTTP_WORKERS",
+        default_value_t = 0
+    )]
+    pub http_workers: usize,
+}
+
+impl ListenFlags {
+    /// Where each listener binds: its own address flag, else `--host` (metrics: else
+    /// `--http-address`, as in Triton).
+    pub fn listen(&self) -> Listen {
+        let http = self.http_address.unwrap_or(self.host);
+        let bind = |on: bool, host: IpAddr, port: u16, reuse_port: bool| {
+            on.then_some(Bind {
+                addr: SocketAddr::new(host, port),
+                reuse_port,
+            })
+        };
+        Listen {
+            http: bind(self.allow_http, http, self.http_port, self.reuse_http_port),
+            grpc: bind(
+                self.allow_grpc,
+                self.grpc_address.unwrap_or(self.host),
+                self.grpc_port,
+                self.reuse_grpc_port,
+            ),
+            metrics: bind(
+                self.allow_metrics,
+                self.metrics_address.unwrap_or(http),
+                self.metrics_port,
+                false,
+            ),
+        }
+    }
+
+    /// HTTP worker threads: `--http-workers`, or one per core.
+    pub fn http_workers(&self) -> usize {
+        match self.http_workers {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
+    }
+}
+
+/// Where the listeners bind; `None` for one that is off (Triton's `--allow-*`).
+#[derive(Debug, Clone, Copy)]
+pub struct Listen {
+    pub http: Option<Bind>,
+    pub grpc: Option<Bind>,
+    pub metrics: Option<Bind>,
+}
+
+/// Where one listener binds (port 0: a free one).
+#[derive(Debug, Clone, Copy)]
+pub struct Bind {
+    pub addr: SocketAddr,
+    /// SO_REUSEPORT (`--reuse-http-port`, `--reuse-grpc-port`).
+    pub reuse_port: bool,
+}
 
 /// An actix-web application served by actix-server in a task.
 pub struct HttpListener {

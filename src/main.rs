@@ -7,8 +7,9 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 fn main() {
     raise_open_file_limit();
-    let config = visiongate::config::Config::parse();
-    if let Err(e) = visiongate::telemetry::init(config.log_levels(), config.log_file.as_deref()) {
+    let config = visiongate::settings::Config::parse();
+    if let Err(e) = visiongate::telemetry::init(config.log.levels(), config.log.log_file.as_deref())
+    {
         eprintln!("Error: {e}");
         std::process::exit(1);
     }
@@ -20,7 +21,7 @@ fn main() {
     }
 }
 
-fn serve(config: visiongate::config::Config) -> anyhow::Result<()> {
+fn serve(config: visiongate::settings::Config) -> anyhow::Result<()> {
     let settings = config.validate().map_err(anyhow::Error::msg)?;
     // Before any other thread starts: libtorch's CUDA half registers itself as it loads.
     #[cfg(feature = "torch")]

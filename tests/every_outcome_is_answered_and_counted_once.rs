@@ -9,10 +9,10 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use common::{solid_png, temp_repository, with_batching, with_preferred, TestGateway};
-use visiongate::config::Config;
 use visiongate::engine::FakeFaults;
 use visiongate::grpc::pb;
 use visiongate::grpc::pb::grpc_inference_service_client::GrpcInferenceServiceClient;
+use visiongate::settings::Config;
 
 /// The fake engine fails every batch holding a row whose first byte is this.
 const FAILING: u8 = 66;
@@ -232,14 +232,14 @@ async fn every_outcome_is_answered_and_counted_once_over_http_and_grpc() {
         .init();
 
     let mut config = Config::for_tests();
-    config.model_repository = vec![temp_repository("outcomes", |m, t| {
+    config.control.model_repository = vec![temp_repository("outcomes", |m, t| {
         with_batching(
             m,
             &with_preferred(m, t, "[ 1 ]"),
             "default_queue_policy { allow_timeout_override: true max_queue_size: 1 }",
         )
     })];
-    config.max_queue_size = 1;
+    config.queues.max_queue_size = 1;
     let faults = FakeFaults {
         fail_on_first_byte: Some(FAILING),
         ..Default::default()

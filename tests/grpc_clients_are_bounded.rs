@@ -14,9 +14,9 @@ use bytes::Bytes;
 use common::TestGateway;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use visiongate::config::Config;
 use visiongate::grpc::pb;
 use visiongate::grpc::pb::grpc_inference_service_client::GrpcInferenceServiceClient;
+use visiongate::settings::Config;
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// An empty SETTINGS frame, then a SETTINGS ACK.
@@ -24,13 +24,13 @@ const SETTINGS_AND_ACK: [u8; 18] = [0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0, 4, 1, 0,
 
 fn config() -> Config {
     let mut c = Config::for_tests();
-    c.grpc_max_connections = 4;
-    c.grpc_max_connections_per_peer = 3;
-    c.grpc_max_concurrent_streams = 17;
-    c.grpc_handshake_timeout_secs = 1;
-    c.grpc_idle_timeout_secs = 3;
-    c.grpc_max_message_bytes = 512 << 20;
-    c.body_timeout_secs = 2;
+    c.grpc.grpc_max_connections = 4;
+    c.grpc.grpc_max_connections_per_peer = 3;
+    c.grpc.grpc_max_concurrent_streams = 17;
+    c.grpc.grpc_handshake_timeout_secs = 1;
+    c.grpc.grpc_idle_timeout_secs = 3;
+    c.grpc.grpc_max_message_bytes = 512 << 20;
+    c.uploads.body_timeout_secs = 2;
     c
 }
 

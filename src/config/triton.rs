@@ -5,8 +5,6 @@ use std::path::PathBuf;
 
 use clap::ArgAction;
 
-use crate::telemetry::MetricsConfig;
-
 /// A Triton boolean: `true`, `on`, `1` or `false`, `off`, `0`, in any case. Triton's
 /// boolean flags take a value (`--allow-http=false`); a bare flag is not `true`.
 pub fn boolean(value: &str) -> Result<bool, String> {
@@ -77,41 +75,6 @@ pub fn cache_size(
         }
     }
     Ok(size)
-}
-
-/// `--metrics-config` settings (`<setting>=<value>`, repeated), as Triton reads them.
-pub fn metrics_config(settings: &[String]) -> Result<MetricsConfig, String> {
-    let mut config = MetricsConfig::default();
-    for setting in settings {
-        let (key, value) = setting
-            .split_once('=')
-            .filter(|(k, v)| !k.is_empty() && !v.is_empty() && !k.contains(','))
-            .ok_or_else(|| format!("--metrics-config '{setting}': expected <setting>=<value>"))?;
-        match key {
-            // As Triton: only these exact words switch them.
-            "counter_latencies" => config.counter_latencies = value != "false",
-            "summary_latencies" => config.summary_latencies = value == "true",
-            "histogram_latencies" => config.histogram_latencies = value == "true",
-            "summary_quantiles" => {
-                config.summary_quantiles = value
-                    .split(',')
-                    .map(|pair| {
-                        let (q, e) = pair.split_once(':')?;
-                        let (q, e) = (q.trim().parse::<f64>().ok()?, e.trim().parse().ok()?);
-                        ((0.0..=1.0).contains(&q) && (0.0..=1.0).contains(&e)).then_some((q, e))
-                    })
-                    .collect::<Option<_>>()
-                    .ok_or_else(|| {
-                        format!(
-                            "--metrics-config '{setting}': expected <quantile>:<error>,... \
-                             with both in [0, 1]"
-                        )
-                    })?;
-            }
-            _ => config.unknown.push(setting.clone()),
-        }
-    }
-    Ok(config)
 }
 
 /// `--backend-config`: `[<backend>,]<setting>=<value>`.
@@ -683,32 +646,6 @@ mod tests {
             assert!(cache_size(&s(&[bad]), None).is_err(), "{bad}");
         }
         assert!(cache_size(&s(&["local,size=1"]), Some(1)).is_err());
-    }
-
-    #[test]
-    fn metrics_settings_read_as_triton_reads_them() {
-        let s = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let c = metrics_config(&s(&[
-            "summary_latencies=true",
-            "summary_quantiles=0.5:0.05,0.99:0.001",
-            "counter_latencies=false",
-            "histogram_latencies=true",
-        ]))
-        .unwrap();
-        assert!(c.summary_latencies && c.histogram_latencies && !c.counter_latencies);
-        assert_eq!(c.summary_quantiles, [(0.5, 0.05), (0.99, 0.001)]);
-        // Anything but the exact word leaves a switch as it was.
-        let c = metrics_config(&s(&["summary_latencies=TRUE", "counter_latencies=no"])).unwrap();
-        assert!(!c.summary_latencies && c.counter_latencies);
-        for bad in [
-            "summary_latencies",
-            "=true",
-            "a,b=c",
-            "summary_quantiles=2:0.1",
-        ] {
-            assert!(metrics_config(&s(&[bad])).is_err(), "{bad}");
-        }
-        assert_eq!(metrics_config(&s(&["x=1"])).unwrap().unknown, ["x=1"]);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! back, and every answer comes from the same state HTTP uses.
 mod conn;
 pub(crate) mod convert;
+mod flags;
 mod service;
 pub mod tls;
 mod wire;
@@ -12,6 +13,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 pub use conn::ConnLimits;
+pub use flags::GrpcFlags;
 pub use service::InferenceService;
 pub use wire::{check_infer_request, CheckedCodec};
 

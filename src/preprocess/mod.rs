@@ -9,6 +9,7 @@
 
 mod budget;
 pub(crate) mod exif;
+mod flags;
 pub mod jpeg;
 mod pool;
 
@@ -28,6 +29,7 @@ use crate::error::{ErrorKind, HasKind};
 use crate::telemetry::Metrics;
 
 pub use budget::DecodeBudget;
+pub use flags::{decode_threads, DecodeFlags};
 pub use jpeg::CpuReason;
 pub use pool::PreprocessPool;
 

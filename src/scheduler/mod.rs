@@ -7,6 +7,7 @@
 
 mod batcher;
 mod cache;
+mod flags;
 mod handle;
 mod instance;
 pub mod policy;
@@ -22,6 +23,7 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 
 pub use cache::ResponseCache;
+pub use flags::QueueFlags;
 pub use handle::{ModelHandle, ModelState};
 pub use policy::{BatchPolicy, QueuePolicy};
 pub use request::{OneByOne, RequestSpec, RowFailures, RowIn, RunError, RunResult, Together};

@@ -3,6 +3,7 @@
 mod build;
 mod control;
 mod drain;
+mod flags;
 mod registry;
 mod restrict;
 mod table;
@@ -12,6 +13,7 @@ use std::sync::Arc;
 pub use build::{batch_policy, batch_size_choice, plan_instances, BuildOptions};
 pub use control::{load_parameters, unload_parameters, ControlMode, ControlParam, ControlSettings};
 pub use drain::{Drain, Work};
+pub use flags::{AccessFlags, ControlFlags, ServerFlags, UploadFlags};
 pub use registry::Registry;
 pub use restrict::{ApiKeys, Endpoint, Restrictions, GRPC_HEADER_PREFIX};
 pub use table::{ModelEntry, ModelTable};

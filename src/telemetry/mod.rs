@@ -2,6 +2,7 @@
 //!
 //! Metric names follow Triton where Triton has the metric, so existing dashboards work;
 //! visiongate's own carry the `visiongate_` prefix. Each gateway owns its registry.
+mod flags;
 mod latency;
 mod system;
 
@@ -10,6 +11,7 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+pub use flags::{LogFlags, MetricsFlags, MetricsRefresh};
 pub use latency::{Latencies, Latency, MetricsConfig, ModelLatencies};
 pub use system::{spawn_poller, GpuProbe, GpuSample};
 

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use reqwest::multipart::{Form, Part};
-use visiongate::config::Config;
 use visiongate::engine::FakeFaults;
+use visiongate::settings::Config;
 use visiongate::{EngineChoice, Gateway};
 
 pub struct TestGateway {

@@ -5,13 +5,13 @@ use std::time::Duration;
 
 use common::{photos, solid_png, temp_repository, with_preferred, TestGateway};
 use futures::future::join_all;
-use visiongate::config::Config;
 use visiongate::engine::FakeFaults;
+use visiongate::settings::Config;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn thirty_two_concurrent_requests_share_batches_and_keep_their_own_answers() {
     let mut config = Config::for_tests();
-    config.model_repository = vec![temp_repository("share", |m, t| {
+    config.control.model_repository = vec![temp_repository("share", |m, t| {
         with_preferred(m, t, "[ 8 ]").replace(
             "max_queue_delay_microseconds: 2000",
             "max_queue_delay_microseconds: 20000",
@@ -49,7 +49,7 @@ async fn thirty_two_concurrent_requests_share_batches_and_keep_their_own_answers
 #[tokio::test(flavor = "multi_thread")]
 async fn a_large_request_is_split_over_both_instances_in_upload_order() {
     let mut config = Config::for_tests();
-    config.model_repository = vec![temp_repository("split", |m, t| {
+    config.control.model_repository = vec![temp_repository("split", |m, t| {
         with_preferred(m, t, "[ 4 ]")
     })];
     let gw = TestGateway::start_fake(config, Duration::from_millis(10)).await;
@@ -81,7 +81,7 @@ async fn a_large_request_is_split_over_both_instances_in_upload_order() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_real_model_gives_the_same_answer_alone_and_inside_a_batch() {
     let mut config = Config::for_tests();
-    config.model_repository = vec![temp_repository("same", |m, t| {
+    config.control.model_repository = vec![temp_repository("same", |m, t| {
         with_preferred(m, t, "[ 8 ]")
     })];
     let gw = TestGateway::start(config).await;
@@ -117,11 +117,11 @@ async fn max_batch_size_says_what_the_model_takes_and_batches_stay_within_the_ba
     // loads; with --max-batch-bytes at four FP32 [3, 224, 224] rows, the preferred sizes
     // over four are left out and every batch the server forms holds at most four rows.
     let mut config = Config::for_tests();
-    config.model_repository = vec![temp_repository("batch-bytes", |m, t| {
+    config.control.model_repository = vec![temp_repository("batch-bytes", |m, t| {
         with_preferred(m, t, "[ 1000000000, 2000000000 ]")
             .replace("max_batch_size: 4096", "max_batch_size: 2147483647")
     })];
-    config.max_batch_bytes = 4 * 3 * 224 * 224 * 4;
+    config.control.max_batch_bytes = 4 * 3 * 224 * 224 * 4;
     // The engine fails a batch of more than four rows (warm-up and timing included).
     let faults = FakeFaults {
         most_rows: Some(4),

@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use common::{padded, photo, TestGateway};
-use visiongate::config::Config;
 use visiongate::grpc::pb;
 use visiongate::grpc::pb::grpc_inference_service_client::GrpcInferenceServiceClient;
+use visiongate::settings::Config;
 use visiongate::shm::FakeCudaIpc;
 use visiongate::{EngineChoice, Gateway};
 
@@ -31,10 +31,8 @@ fn int(n: usize) -> pb::InferParameter {
 #[tokio::test]
 async fn cuda_regions_carry_the_ensembles_images_and_scores() {
     let gpus = Arc::new(FakeCudaIpc::new(2));
-    let config = Config {
-        allow_client_shm: true,
-        ..Config::for_tests()
-    };
+    let mut config = Config::for_tests();
+    config.server.allow_client_shm = true;
     let engine = EngineChoice::Fake {
         num_classes: 1000,
         latency: Duration::from_millis(1),

@@ -5,7 +5,7 @@ use crate::common;
 use std::sync::Arc;
 
 use common::{spawn_predict, stop_shared, temp_repository, with_preferred, TestGateway};
-use visiongate::config::Config;
+use visiongate::settings::Config;
 
 const CANCELED: [&str; 2] = ["model=\"classifier\"", "reason=\"CANCELED\""];
 
@@ -14,7 +14,7 @@ async fn disconnecting_clients_do_not_fail_the_requests_they_wait_or_run_with() 
     let mut config = Config::for_tests();
     // Batches of 4 rows, cut only once 4 are there (the delay, the longest allowed, is far
     // beyond the test).
-    config.model_repository = vec![temp_repository("disconnect", |m, t| {
+    config.control.model_repository = vec![temp_repository("disconnect", |m, t| {
         with_preferred(m, t, "[ 4 ]").replace(
             "max_queue_delay_microseconds: 2000",
             "max_queue_delay_microseconds: 10000000",

@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{solid_png, temp_repository, with_preferred, TestGateway};
-use visiongate::config::Config;
 use visiongate::engine::FakeFaults;
 use visiongate::grpc::pb::grpc_inference_service_client::GrpcInferenceServiceClient;
+use visiongate::settings::Config;
 use visiongate::EngineChoice;
 
 const FAIL: u8 = 251;
@@ -61,7 +61,7 @@ async fn engine_faults_fail_only_their_batch_and_instances_restart() {
     });
     let mut config = Config::for_tests();
     // One row per batch: each file's fate is its own.
-    config.model_repository = vec![temp_repository("faults", |m, t| {
+    config.control.model_repository = vec![temp_repository("faults", |m, t| {
         with_preferred(m, t, "[ 1 ]")
     })];
     let gw = TestGateway::start_with(

@@ -8,8 +8,8 @@ use crate::common;
 use std::time::Duration;
 
 use common::TestGateway;
-use visiongate::config::Config;
 use visiongate::http::routes::{routes, Access};
+use visiongate::settings::Config;
 
 /// A concrete path for a route's pattern.
 fn concrete(pattern: &str) -> String {
@@ -23,13 +23,13 @@ fn concrete(pattern: &str) -> String {
 #[tokio::test(flavor = "multi_thread")]
 async fn each_route_is_restricted_by_its_category() {
     let mut config = Config::for_tests();
-    config.http_restricted_api = vec![
+    config.access.http_restricted_api = vec![
         "health,metadata,inference,shared-memory,model-config,model-repository,statistics:\
          the-key=s3cret"
             .to_string(),
     ];
     // On, so that with its key a shared-memory route is let through (off, it is 403 too).
-    config.allow_client_shm = true;
+    config.server.allow_client_shm = true;
     let gw = TestGateway::start_fake(config, Duration::ZERO).await;
     let routes = routes();
     assert!(routes.len() > 30, "the table lists every route");

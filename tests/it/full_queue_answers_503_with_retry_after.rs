@@ -5,15 +5,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{solid_png, spawn_predict, stop_shared, temp_repository, with_preferred, TestGateway};
-use visiongate::config::Config;
+use visiongate::settings::Config;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn full_queue_answers_503_with_retry_after_at_once() {
     let mut config = Config::for_tests();
-    config.model_repository = vec![temp_repository("full", |m, t| {
+    config.control.model_repository = vec![temp_repository("full", |m, t| {
         with_preferred(m, t, "[ 1 ]")
     })];
-    config.max_queue_size = 1;
+    config.queues.max_queue_size = 1;
     let (gw, faults) = TestGateway::start_gated(config).await;
     let (gw, gate) = (Arc::new(gw), &faults.gate);
     // Two requests hold both instances (one after the other: the one queue place is free

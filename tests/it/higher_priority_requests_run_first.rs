@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use common::TestGateway;
 use common::{spawn_predict, stop_shared, temp_repository, with_batching, with_preferred};
-use visiongate::config::Config;
+use visiongate::settings::Config;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_later_high_priority_request_overtakes_a_queued_default_one() {
     let mut config = Config::for_tests();
-    config.model_repository = vec![temp_repository("priority", |m, t| {
+    config.control.model_repository = vec![temp_repository("priority", |m, t| {
         with_batching(
             m,
             &with_preferred(m, t, "[ 1 ]"),

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{photo, solid_png, TestGateway};
-use visiongate::config::Config;
 use visiongate::engine::FakeFaults;
+use visiongate::settings::Config;
 use visiongate::EngineChoice;
 
 async fn gateway(decodes_jpeg: bool) -> TestGateway {

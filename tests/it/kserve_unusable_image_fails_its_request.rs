@@ -6,9 +6,9 @@ use crate::common;
 use std::time::Duration;
 
 use common::{padded, TestGateway};
-use visiongate::config::Config;
 use visiongate::grpc::pb;
 use visiongate::grpc::pb::grpc_inference_service_client::GrpcInferenceServiceClient;
+use visiongate::settings::Config;
 
 fn png(side: u32) -> Vec<u8> {
     let img = image::RgbImage::from_pixel(side, side, image::Rgb([7, 100, 50]));
@@ -45,7 +45,7 @@ async fn grpc_infer(gw: &TestGateway, images: &[Vec<u8>]) -> tonic::Status {
 async fn an_unusable_image_fails_its_request_naming_the_row() {
     let mut config = Config::for_tests();
     // 8x8 images pass, 32x32 ones are over the limit.
-    config.max_image_pixels = 100;
+    config.decode.max_image_pixels = 100;
     let gw = TestGateway::start_fake(config, Duration::ZERO).await;
 
     let (status, body) = gw.ensemble_infer(&[png(8), png(32)]).await;

@@ -2,7 +2,7 @@
 use crate::common;
 
 use common::{photo, TestGateway};
-use visiongate::config::Config;
+use visiongate::settings::Config;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_count_requests_images_batches_and_time() {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::{solid_png, temp_repository, with_preferred, TestGateway};
 use serde_json::Value;
-use visiongate::config::Config;
+use visiongate::settings::Config;
 use visiongate::state::ControlMode;
 
 const KEY_HEADER: &str = "x-admin-key";
@@ -19,10 +19,10 @@ const KEY: &str = "s3cret";
 /// Explicit mode on `repo`, the ensemble loaded at start-up, load and unload behind a key.
 fn explicit(repo: &Path) -> Config {
     let mut c = Config::for_tests();
-    c.model_repository = vec![repo.to_path_buf()];
-    c.model_control_mode = ControlMode::Explicit;
-    c.load_models = vec!["ensemble_model".into()];
-    c.repository_control_key = Some(format!("{KEY_HEADER}={KEY}"));
+    c.control.model_repository = vec![repo.to_path_buf()];
+    c.control.model_control_mode = ControlMode::Explicit;
+    c.control.load_models = vec!["ensemble_model".into()];
+    c.access.repository_control_key = Some(format!("{KEY_HEADER}={KEY}"));
     c
 }
 
@@ -174,7 +174,7 @@ async fn instances_of_all_models_together_are_bounded() {
     classifier_copy(&repo, "second", |t| t);
     let mut config = explicit(&repo);
     // The bundled classifier runs 2 instances here (its GPU group falls back to the CPU).
-    config.max_instances = 3;
+    config.control.max_instances = 3;
     let gw = TestGateway::start_fake(config, Duration::ZERO).await;
     serves(&gw, "start-up").await;
     load_fails(&gw, "second", &["2 running", "--max-instances"]).await;

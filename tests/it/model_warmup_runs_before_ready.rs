@@ -5,8 +5,8 @@ use crate::common;
 use std::time::Duration;
 
 use common::{temp_repository, TestGateway};
-use visiongate::config::Config;
 use visiongate::engine::FakeFaults;
+use visiongate::settings::Config;
 use visiongate::Gateway;
 
 const WARMUP: &str = r#"
@@ -56,14 +56,14 @@ fn repository(tag: &str) -> std::path::PathBuf {
 
 async fn start(repo: std::path::PathBuf, faults: FakeFaults) -> Gateway {
     let mut config = Config::for_tests();
-    config.model_repository = vec![repo];
+    config.control.model_repository = vec![repo];
     common::start_fake_gateway(config, faults).await
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_classifier_with_model_warmup_loads_and_serves() {
     let mut config = Config::for_tests();
-    config.model_repository = vec![repository("warmup-ok")];
+    config.control.model_repository = vec![repository("warmup-ok")];
     let gw = TestGateway::start_fake(config, Duration::ZERO).await;
     let reply = gw.predict("", &[common::photo("small", "Aqua.jpg")]).await;
     assert_eq!(reply.status, 200, "{}", reply.json);
@@ -88,8 +88,8 @@ async fn a_sample_larger_than_a_batch_may_hold_runs_as_several_batches() {
         }
     });
     let mut config = Config::for_tests();
-    config.model_repository = vec![repo];
-    config.max_batch_bytes = 4 * 3 * 224 * 224 * 4;
+    config.control.model_repository = vec![repo];
+    config.control.max_batch_bytes = 4 * 3 * 224 * 224 * 4;
     let gateway = common::start_fake_gateway(
         config,
         FakeFaults {

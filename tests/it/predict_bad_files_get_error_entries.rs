@@ -2,7 +2,7 @@
 use crate::common;
 
 use common::{photo, TestGateway};
-use visiongate::config::Config;
+use visiongate::settings::Config;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn empty_text_and_truncated_files_get_errors_while_photos_keep_their_labels() {
@@ -60,7 +60,7 @@ async fn empty_text_and_truncated_files_get_errors_while_photos_keep_their_label
 #[tokio::test(flavor = "multi_thread")]
 async fn a_file_over_the_size_limit_gets_file_too_large_and_others_run() {
     let mut config = Config::for_tests();
-    config.max_file_bytes = 40_000;
+    config.uploads.max_file_bytes = 40_000;
     let gw = TestGateway::start(config).await;
     let big = photo("small", "sk_coffee.jpg"); // 72 kB
     let small = photo("small", "sk_chelsea.jpg"); // 35 kB

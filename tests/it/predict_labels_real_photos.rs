@@ -2,7 +2,7 @@
 use crate::common;
 
 use common::{photo, photos, TestGateway, CAT_CLASSES};
-use visiongate::config::Config;
+use visiongate::settings::Config;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn chelsea_is_a_cat_and_coffee_is_espresso_with_labels_and_top_k() {

@@ -2,7 +2,7 @@
 use crate::common;
 
 use common::{photo, photos, Reply, TestGateway};
-use visiongate::config::Config;
+use visiongate::settings::Config;
 
 fn assert_error(reply: &Reply, status: u16, code: &str, mentions: &str) {
     assert_eq!(reply.status, status, "{}", reply.json);
@@ -84,7 +84,7 @@ async fn request_level_errors_answer_json_with_the_right_status() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_body_over_the_limit_is_413() {
     let mut config = Config::for_tests();
-    config.max_body_bytes = 100_000;
+    config.uploads.max_body_bytes = 100_000;
     let gw = TestGateway::start(config).await;
     let files: Vec<_> = photos("small").into_iter().take(5).collect();
     let r = gw.predict("", &files).await;

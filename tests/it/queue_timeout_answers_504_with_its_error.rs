@@ -7,12 +7,12 @@ use std::time::{Duration, Instant};
 
 use common::TestGateway;
 use common::{spawn_predict, stop_shared, temp_repository, with_batching, with_preferred};
-use visiongate::config::Config;
+use visiongate::settings::Config;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_past_its_queue_timeout_gets_504_and_the_others_run() {
     let mut config = Config::for_tests();
-    config.model_repository = vec![temp_repository("timeout", |m, t| {
+    config.control.model_repository = vec![temp_repository("timeout", |m, t| {
         with_batching(
             m,
             &with_preferred(m, t, "[ 1 ]"),
@@ -66,7 +66,7 @@ async fn a_request_past_its_queue_timeout_gets_504_and_the_others_run() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_cannot_lengthen_the_default_timeout() {
     let mut config = Config::for_tests();
-    config.model_repository = vec![temp_repository("timeout-default", |m, t| {
+    config.control.model_repository = vec![temp_repository("timeout-default", |m, t| {
         with_batching(
             m,
             &with_preferred(m, t, "[ 1 ]"),

@@ -5,12 +5,12 @@ use crate::common;
 use std::time::Duration;
 
 use common::{photo, temp_repository, TestGateway};
-use visiongate::config::Config;
+use visiongate::settings::Config;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_repeated_photo_is_answered_from_the_cache() {
     let mut config = Config::for_tests();
-    config.model_repository = vec![temp_repository("cache", |m, t| {
+    config.control.model_repository = vec![temp_repository("cache", |m, t| {
         if m == "classifier" {
             format!("{t}\nresponse_cache {{ enable: true }}\n")
         } else {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::{solid_png, temp_repository, with_preferred, Reply, TestGateway};
 use serde_json::{json, Value};
-use visiongate::config::Config;
+use visiongate::settings::Config;
 use visiongate::state::ControlMode;
 use visiongate::EngineChoice;
 
@@ -18,10 +18,10 @@ const KEY: &str = "s3cret";
 
 fn explicit(repo: &Path, load: &[&str]) -> Config {
     let mut c = Config::for_tests();
-    c.model_repository = vec![repo.to_path_buf()];
-    c.model_control_mode = ControlMode::Explicit;
-    c.load_models = load.iter().map(|s| s.to_string()).collect();
-    c.repository_control_key = Some(format!("{KEY_HEADER}={KEY}"));
+    c.control.model_repository = vec![repo.to_path_buf()];
+    c.control.model_control_mode = ControlMode::Explicit;
+    c.control.load_models = load.iter().map(|s| s.to_string()).collect();
+    c.access.repository_control_key = Some(format!("{KEY_HEADER}={KEY}"));
     c
 }
 
@@ -234,7 +234,7 @@ async fn load_and_unload_are_refused_outside_explicit_mode() {
 
     // A key, but mode none: the repository is fixed.
     let mut c = Config::for_tests();
-    c.repository_control_key = Some(format!("{KEY_HEADER}={KEY}"));
+    c.access.repository_control_key = Some(format!("{KEY_HEADER}={KEY}"));
     let gw = TestGateway::start_fake(c, Duration::from_millis(1)).await;
     let (status, body) = gw.admin("classifier", "unload", json!({})).await;
     assert_eq!(status, 400, "{body}");
@@ -323,7 +323,7 @@ fn two_version_repository(tag: &str) -> std::path::PathBuf {
 async fn version_policy_serves_every_selected_version() {
     let repo = two_version_repository("versions");
     let mut c = Config::for_tests();
-    c.model_repository = vec![repo];
+    c.control.model_repository = vec![repo];
     let gw = TestGateway::start_fake(c, Duration::from_millis(1)).await;
     let (status, meta) = gw.get("/v2/models/classifier").await;
     assert_eq!(status, 200, "{meta}");
@@ -481,9 +481,9 @@ async fn unloaded_model_finishes_the_requests_it_admitted() {
 async fn poll_mode_follows_the_repository() {
     let repo = temp_repository("poll", |_, t| t.to_string());
     let mut c = Config::for_tests();
-    c.model_repository = vec![repo.clone()];
-    c.model_control_mode = ControlMode::Poll;
-    c.repository_poll_secs = 1;
+    c.control.model_repository = vec![repo.clone()];
+    c.control.model_control_mode = ControlMode::Poll;
+    c.control.repository_poll_secs = 1;
     let gw = TestGateway::start_fake(c, Duration::from_millis(1)).await;
     let wait_for = |what: &'static str, path: &'static str, check: fn(u16, &Value) -> bool| {
         let gw = &gw;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::{photo, TestGateway};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use visiongate::config::Config;
+use visiongate::settings::Config;
 
 const STALLED: usize = 300;
 const BODY_TIMEOUT_SECS: u64 = 3;
@@ -47,8 +47,8 @@ async fn status_of(conn: &mut TcpStream, within: Duration) -> Option<u16> {
 #[tokio::test(flavor = "multi_thread")]
 async fn stalled_uploads_hold_no_queue_place_and_get_408() {
     let mut config = Config::for_tests();
-    config.body_timeout_secs = BODY_TIMEOUT_SECS;
-    let max_body = config.max_body_bytes;
+    config.uploads.body_timeout_secs = BODY_TIMEOUT_SECS;
+    let max_body = config.uploads.max_body_bytes;
     let gw = TestGateway::start_fake(config, Duration::from_millis(5)).await;
     let addr = gw.gateway.as_ref().unwrap().http_addr.expect("listening");
 

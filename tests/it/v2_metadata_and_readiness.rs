@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::TestGateway;
 use serde_json::json;
-use visiongate::config::Config;
+use visiongate::settings::Config;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn v2_metadata_and_readiness_describe_the_repository() {
@@ -134,8 +134,8 @@ async fn v2_config_returns_the_model_config_as_on_disk() {
 async fn listeners_turned_off_are_not_opened_wrong_methods_get_405_and_readiness_can_be_lax() {
     // --allow-grpc=false --allow-metrics=false: HTTP alone.
     let mut config = Config::for_tests();
-    config.allow_grpc = false;
-    config.allow_metrics = false;
+    config.listen.allow_grpc = false;
+    config.listen.allow_metrics = false;
     let gw = TestGateway::start_fake(config, Duration::ZERO).await;
     let g = gw.gateway.as_ref().unwrap();
     assert!(g.grpc_addr.is_none() && g.metrics_addr.is_none());
@@ -169,7 +169,7 @@ async fn listeners_turned_off_are_not_opened_wrong_methods_get_405_and_readiness
 
     // --allow-http=false: gRPC and metrics only; the stop still drains and returns.
     let mut config = Config::for_tests();
-    config.allow_http = false;
+    config.listen.allow_http = false;
     let gateway = common::start_fake_gateway(config, Default::default()).await;
     assert!(gateway.http_addr.is_none());
     let metrics = gateway.metrics_addr.expect("metrics on");
@@ -186,7 +186,7 @@ async fn listeners_turned_off_are_not_opened_wrong_methods_get_405_and_readiness
 
     // --strict-readiness=false: ready while a model is still loading.
     let mut config = Config::for_tests();
-    config.strict_readiness = false;
+    config.server.strict_readiness = false;
     let gateway = common::start_fake_gateway(config, Default::default()).await;
     assert!(gateway.state.is_ready());
     gateway.stop().await;
