@@ -100,9 +100,8 @@ impl Config {
         let limits = self.uploads.limits()?;
         let cache_size = self.queues.cache_bytes()?;
         let (refresh, metrics) = self.metrics.settings()?;
-        self.log_ignored(&metrics);
         let listen = self.listen.listen();
-        Ok(Settings {
+        let settings = Settings {
             grpc: self.grpc.settings(limits.pace, listen.grpc.is_some())?,
             engine: self.engine.settings()?,
             models: ModelDefaults {
@@ -123,7 +122,9 @@ impl Config {
             control,
             cache_size,
             metrics,
-        })
+        };
+        self.log_ignored(&settings.metrics);
+        Ok(settings)
     }
 
     /// One log line for each Triton argument given that has no effect here.

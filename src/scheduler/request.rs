@@ -321,7 +321,7 @@ impl Admission {
                     // Nothing more is ready: a full enough chunk goes now, not after the wait.
                     if chunk.len() >= CHUNK_ROWS {
                         let rows = std::mem::replace(&mut chunk, Vec::with_capacity(CHUNK_ROWS));
-                        pending.push(self.submit(rows, spec).await?);
+                        pending.push(self.submit(rows, spec, false).await?);
                     }
                     rows.next().await
                 }
@@ -339,10 +339,12 @@ impl Admission {
                 Some(RowIn::Abort(e)) => return Err(RunError::Aborted(e)),
             }
         }
+        // No more jobs: the place is freed when the last one leaves the queue (the last
+        // chunk takes the request's own hold on it, so no moment passes between its leaving
+        // the queue and the place being free).
         if !chunk.is_empty() {
-            pending.push(self.submit(chunk, spec).await?);
+            pending.push(self.submit(chunk, spec, true).await?);
         }
-        // No more jobs: the place is freed when the last one leaves the queue.
         self.place = None;
         let mut outputs = Vec::with_capacity(slots.len());
         // Where the n-th computed row is in arrival order (rows unusable on arrival took
@@ -370,10 +372,16 @@ impl Admission {
             .collect()
     }
 
-    /// Queues one chunk (the rows the response cache does not know). Waits only if the
-    /// channel to the batcher is momentarily full: the request is already admitted, this is
-    /// backpressure, not admission.
-    async fn submit(&mut self, rows: Vec<Row>, spec: RequestSpec) -> Result<PendingRows, RunError> {
+    /// Queues one chunk (the rows the response cache does not know); the `last` one takes
+    /// the request's hold on its queue place. Waits only if the channel to the batcher is
+    /// momentarily full: the request is already admitted, this is backpressure, not
+    /// admission.
+    async fn submit(
+        &mut self,
+        rows: Vec<Row>,
+        spec: RequestSpec,
+        last: bool,
+    ) -> Result<PendingRows, RunError> {
         let inner = &self.handle.inner;
         let mut job = JobRows {
             rows,
@@ -401,10 +409,12 @@ impl Admission {
             let _ = reply.send(Ok(Vec::new()));
             return Ok(PendingRows { computed, cached });
         }
-        let place = self
-            .place
-            .clone()
-            .expect("rows are submitted only before the request is complete");
+        let place = if last {
+            self.place.take()
+        } else {
+            self.place.clone()
+        }
+        .expect("rows are submitted only before the request is complete");
         let mut state = Job::new(job, reply);
         state.cache = inner.cache.clone().map(|cache| (cache, miss_keys));
         state.request = self.request.clone();
