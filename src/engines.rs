@@ -9,7 +9,7 @@ use std::time::Duration;
 use crate::config;
 use crate::domain::Precision;
 use crate::engine::registry::Registry;
-use crate::engine::{Engine, FakeFaults};
+use crate::engine::FakeFaults;
 use crate::scheduler::EngineFactory;
 
 /// How the engines run.
@@ -149,9 +149,7 @@ impl Engines {
                 latency,
                 faults,
             } => Ok(Engines {
-                factory: Arc::new(move |spec, _| {
-                    Ok(Box::new(faults.load(&spec.file, num_classes, latency)?) as Box<dyn Engine>)
-                }),
+                factory: Arc::new(move |spec, _| faults.stages(&spec.file, num_classes, latency)),
                 gpu_count: 0,
                 unusable_gpus: 0,
             }),

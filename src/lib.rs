@@ -34,8 +34,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use engines::EngineChoice;
 use engines::Engines;
-use listeners::Bind;
-use listeners::{GrpcListener, HttpListener};
+use listeners::{Bind, GrpcListener, HttpListener};
 use repository::Repositories;
 use scheduler::ModelState;
 use settings::Settings;

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::{BatchInput, Engine, EngineError, EngineOutput, OutputRequest};
+use super::{BatchInput, Engine, EngineError, EngineOutput, OutputRequest, Stages};
 use crate::domain::{top_k, ClassScore};
-use crate::preprocess::{CpuReason, PreprocessError};
+use crate::preprocess::{BatchDecoder, DeviceDecode, JpegRow};
 
 pub struct FakeEngine {
     pub num_classes: usize,
@@ -30,10 +30,10 @@ pub struct FakeFaults {
     pub most_rows: Option<usize>,
     pub refuse_loads: AtomicBool,
     pub gate: Gate,
-    /// The engine says it decodes JPEGs itself, as a GPU instance with nvJPEG does, and
-    /// decodes them on the CPU, as such an instance does what its GPU decoder fails: the
-    /// pipeline then passes JPEGs on whole, and a JPEG it cannot decode is its row's own
-    /// failure.
+    /// Each instance has a JPEG decoder, as a GPU instance with nvJPEG does, one that
+    /// fails every JPEG (`FailingDecoder`), so that the instance decodes them on the CPU as
+    /// it does what a GPU decoder fails: the pipeline then passes JPEGs on whole, and a
+    /// JPEG the CPU cannot decode either is its row's own failure.
     pub decodes_jpeg: bool,
 }
 
@@ -150,6 +150,42 @@ impl FakeFaults {
             faults: self.clone(),
         })
     }
+
+    /// What a fake instance runs: a new engine, after a `FailingDecoder` where
+    /// `decodes_jpeg`.
+    pub fn stages(
+        self: &Arc<Self>,
+        path: &std::path::Path,
+        num_classes: usize,
+        latency: Duration,
+    ) -> Result<Stages, EngineError> {
+        let mut stages = Stages::engine(self.load(path, num_classes, latency)?);
+        if self.decodes_jpeg {
+            stages.decoder = Some(Box::new(FailingDecoder));
+        }
+        Ok(stages)
+    }
+}
+
+/// A JPEG decoder that fails every image it is given, as nvJPEG fails what it cannot
+/// decode.
+pub struct FailingDecoder;
+
+impl BatchDecoder for FailingDecoder {
+    fn decode(
+        &mut self,
+        jpegs: &[(usize, Arc<JpegRow>)],
+        _: &mut [u8],
+        _: usize,
+        _: usize,
+    ) -> DeviceDecode {
+        DeviceDecode {
+            path: "gpu_hardware",
+            decoded: 0,
+            took: Duration::ZERO,
+            left: (0..jpegs.len()).collect(),
+        }
+    }
 }
 
 impl FakeEngine {
@@ -167,26 +203,6 @@ impl Engine for FakeEngine {
     ) -> Result<EngineOutput, EngineError> {
         std::thread::sleep(self.latency);
         let rows = input.rows();
-        let (decoded, unusable) = decode_jpegs(&input);
-        let input = match (input, &decoded) {
-            (
-                BatchInput::Images {
-                    data: _,
-                    height,
-                    width,
-                    normalize,
-                    ..
-                },
-                Some(data),
-            ) => BatchInput::Images {
-                data,
-                height,
-                width,
-                normalize,
-                jpegs: &[],
-            },
-            (input, _) => input,
-        };
         let firsts: Vec<u8> = match input {
             BatchInput::Images { data, .. } => data
                 .chunks(data.len() / rows.max(1))
@@ -217,7 +233,6 @@ impl Engine for FakeEngine {
         let n = self.num_classes;
         let mut out = EngineOutput {
             num_classes: n,
-            unusable,
             ..Default::default()
         };
         let scores = |first: u8| {
@@ -265,36 +280,4 @@ impl Engine for FakeEngine {
     fn device(&self) -> super::Device {
         super::Device::Fake
     }
-
-    fn decodes_jpeg(&self) -> bool {
-        self.faults.decodes_jpeg
-    }
-}
-
-/// A batch's JPEG rows decoded into a copy of its rows (on the CPU), and those that could
-/// not be; `None` without JPEG rows.
-fn decode_jpegs(input: &BatchInput<'_>) -> (Option<Vec<u8>>, Vec<(usize, PreprocessError)>) {
-    let BatchInput::Images {
-        data,
-        height,
-        width,
-        jpegs,
-        ..
-    } = *input
-    else {
-        return (None, Vec::new());
-    };
-    if jpegs.is_empty() {
-        return (None, Vec::new());
-    }
-    let row = height * width * 3;
-    let mut data = data.to_vec();
-    let mut unusable = Vec::new();
-    for (place, jpeg) in jpegs {
-        let out = &mut data[place * row..(place + 1) * row];
-        if let Err(e) = jpeg.decode_on_cpu(CpuReason::GpuFailed, out) {
-            unusable.push((*place, e));
-        }
-    }
-    (Some(data), unusable)
 }

@@ -15,25 +15,21 @@ pub use libtorch::{cpu_runs_bf16, cuda_device_count, TorchEngine};
 pub use onnx::{OnnxEngine, OnnxRuntime, ONNXRUNTIME_VERSION};
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use crate::domain::{ClassScore, Normalize, Precision, Runtime};
 use crate::error::{ErrorKind, HasKind};
-use crate::preprocess::{JpegRow, PreprocessError};
+use crate::preprocess::BatchDecoder;
 
 /// The rows of one batch, contiguous.
 #[derive(Debug, Clone, Copy)]
 pub enum BatchInput<'a> {
-    /// u8 NHWC RGB images; normalized to f32 NCHW on the engine's device. The rows in
-    /// `jpegs` (each with its place) are still encoded, for the engine's GPU decoder (an
-    /// engine that `decodes_jpeg`); their rows in `data` are zeros.
+    /// u8 NHWC RGB images; normalized to f32 NCHW on the engine's device.
     Images {
         data: &'a [u8],
         height: usize,
         width: usize,
         normalize: Normalize,
-        jpegs: &'a [(usize, Arc<JpegRow>)],
     },
     /// f32 NCHW tensors, already preprocessed.
     Tensors {
@@ -87,21 +83,6 @@ pub struct EngineOutput {
     pub logits: Option<Vec<f32>>,
     pub num_classes: usize,
     pub timings: ComputeTimings,
-    /// The JPEG rows that neither the GPU decoder nor the CPU could decode, by place:
-    /// their outputs are no one's.
-    pub unusable: Vec<(usize, PreprocessError)>,
-    /// The JPEG rows decoded on the GPU.
-    pub gpu_decoded: Option<GpuDecoded>,
-}
-
-/// What a batch's JPEGs took on the GPU.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct GpuDecoded {
-    /// The metric label of the decoder: `gpu_hardware` or `gpu_assisted`.
-    pub path: &'static str,
-    pub images: usize,
-    /// Decode, resize and placement in the batch, on the device.
-    pub took: Duration,
 }
 
 impl EngineOutput {
@@ -158,9 +139,22 @@ pub trait Engine: Send {
     ) -> Result<EngineOutput, EngineError>;
     /// Where it runs.
     fn device(&self) -> Device;
-    /// Whether it decodes the JPEG rows of a batch itself, on its GPU.
-    fn decodes_jpeg(&self) -> bool {
-        false
+}
+
+/// What an instance runs on each batch: its decoder of JPEG rows, where its device has one
+/// (`--gpu-decode`), then its engine.
+pub struct Stages {
+    pub decoder: Option<Box<dyn BatchDecoder>>,
+    pub engine: Box<dyn Engine>,
+}
+
+impl Stages {
+    /// An engine alone: JPEG rows are decoded on the CPU.
+    pub fn engine(engine: impl Engine + 'static) -> Stages {
+        Stages {
+            decoder: None,
+            engine: Box::new(engine),
+        }
     }
 }
 

@@ -14,7 +14,7 @@ use ort::value::{TensorElementType, TensorRef, ValueType};
 use super::registry::Backend;
 use super::{
     normalize_into, repository_relative, BatchInput, ComputeTimings, Engine, EngineError,
-    EngineOutput, EngineSpec, FileErrors, OutputRequest,
+    EngineOutput, EngineSpec, FileErrors, OutputRequest, Stages,
 };
 use crate::domain::{classify, GraphLevel, InstanceId, OnnxOptions, Precision, Runtime};
 
@@ -75,7 +75,7 @@ pub struct OnnxRuntime {
 }
 
 impl Backend for OnnxRuntime {
-    fn load(&self, spec: &EngineSpec, id: InstanceId) -> Result<Box<dyn Engine>, EngineError> {
+    fn load(&self, spec: &EngineSpec, id: InstanceId) -> Result<Stages, EngineError> {
         let Runtime::Onnx(options) = spec.runtime else {
             return Err(EngineError::Load {
                 path: repository_relative(&spec.file),
@@ -84,7 +84,7 @@ impl Backend for OnnxRuntime {
         };
         let library = self.library.as_deref();
         let engine = OnnxEngine::load(spec, options, id.gpu, self.intra_op_threads, library)?;
-        Ok(Box::new(engine))
+        Ok(Stages::engine(engine))
     }
 }
 
@@ -158,13 +158,11 @@ impl OnnxEngine {
         let t0 = Instant::now();
         let rows = input.rows();
         let data: &[f32] = match input {
-            // No `jpegs`: this engine does not decode them (`decodes_jpeg`).
             BatchInput::Images {
                 data,
                 height,
                 width,
                 normalize,
-                ..
             } => {
                 normalize_into(data, height, width, normalize, &mut self.staging);
                 &self.staging

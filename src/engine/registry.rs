@@ -4,14 +4,14 @@
 //! runtime the build lacks fails its own load, naming the runtime and the feature.
 use std::collections::HashMap;
 
-use super::{repository_relative, Engine, EngineError, EngineSpec};
+use super::{repository_relative, EngineError, EngineSpec, Stages};
 use crate::domain::{InstanceId, Runtime};
 
-/// A runtime, started: it loads the engine of each instance of the models it runs, on
-/// that instance's own thread.
+/// A runtime, started: it loads what each instance of the models it runs runs (its
+/// engine, and the decoder of its JPEG rows where its device has one), on that instance's
+/// own thread.
 pub trait Backend: Send + Sync {
-    fn load(&self, spec: &EngineSpec, instance: InstanceId)
-        -> Result<Box<dyn Engine>, EngineError>;
+    fn load(&self, spec: &EngineSpec, instance: InstanceId) -> Result<Stages, EngineError>;
 }
 
 /// The libraries models run on, each a Cargo feature of its own.
@@ -64,12 +64,8 @@ impl Registry {
         names
     }
 
-    /// The engine of one instance of `spec`'s model, from the runtime its file needs.
-    pub fn load(
-        &self,
-        spec: &EngineSpec,
-        instance: InstanceId,
-    ) -> Result<Box<dyn Engine>, EngineError> {
+    /// What one instance of `spec`'s model runs, from the runtime its file needs.
+    pub fn load(&self, spec: &EngineSpec, instance: InstanceId) -> Result<Stages, EngineError> {
         let kind = RuntimeKind::of(&spec.runtime);
         match self.backends.get(&kind) {
             Some(backend) => backend.load(spec, instance),
@@ -98,8 +94,12 @@ mod tests {
     struct Fake(Arc<FakeFaults>);
 
     impl Backend for Fake {
-        fn load(&self, spec: &EngineSpec, _: InstanceId) -> Result<Box<dyn Engine>, EngineError> {
-            Ok(Box::new(self.0.load(&spec.file, 10, Duration::ZERO)?))
+        fn load(&self, spec: &EngineSpec, _: InstanceId) -> Result<Stages, EngineError> {
+            Ok(Stages::engine(self.0.load(
+                &spec.file,
+                10,
+                Duration::ZERO,
+            )?))
         }
     }
 

@@ -7,6 +7,7 @@
 //! reserved from the decode budget shared by all decode threads (`budget.rs`).
 //! Normalization to f32 happens on the device.
 
+mod batch;
 mod budget;
 pub(crate) mod exif;
 mod flags;
@@ -28,6 +29,7 @@ use crate::domain::ResizeFilter;
 use crate::error::{ErrorKind, HasKind};
 use crate::telemetry::Metrics;
 
+pub use batch::{decode_rows, BatchDecoder, DeviceDecode};
 pub use budget::DecodeBudget;
 pub use flags::{decode_threads, DecodeFlags};
 pub use jpeg::CpuReason;

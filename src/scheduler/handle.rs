@@ -61,7 +61,7 @@ pub(super) struct Inner {
     pub devices: Arc<std::sync::Mutex<Vec<(String, String)>>>,
     /// Why the instances do not run where the config puts them.
     pub fallback: Option<String>,
-    /// Instances serving now whose engine decodes JPEGs on its GPU.
+    /// Instances serving now with a JPEG decoder (on their GPU).
     pub gpu_decoders: Arc<std::sync::atomic::AtomicUsize>,
 }
 

@@ -8,9 +8,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{Batch, BatchFailed, RowFailure, RowFormat, RowOutput};
 use crate::domain::InstanceId;
-use crate::engine::{BatchInput, ComputeTimings, Engine, OutputRequest};
-use crate::preprocess::{CpuReason, JpegRow, PreprocessError, Row};
-use crate::telemetry::{micros, Latency, Metrics, ModelSeries};
+use crate::engine::{BatchInput, ComputeTimings, OutputRequest, Stages};
+use crate::preprocess::{decode_rows, JpegRow, PreprocessError, Row};
+use crate::telemetry::{micros, Latency, ModelSeries};
 use prometheus::IntCounter;
 
 /// An idle instance's offer: the batcher sends the next batch through it.
@@ -23,8 +23,6 @@ pub(super) struct Slot {
 pub(super) struct InstanceContext {
     pub model: String,
     pub series: ModelSeries,
-    /// Where images decoded on the GPU are counted.
-    pub metrics: Arc<Metrics>,
     /// This instance's count of executed batches.
     pub executions: IntCounter,
     pub id: InstanceId,
@@ -47,7 +45,7 @@ pub(super) enum Ended {
 /// goes away or the engine panics.
 pub(super) fn instance_loop(
     ctx: &InstanceContext,
-    mut engine: Box<dyn Engine>,
+    mut stages: Stages,
     target: usize,
     slots: &mpsc::Sender<Slot>,
 ) -> Ended {
@@ -66,18 +64,18 @@ pub(super) fn instance_loop(
         let Ok(batch) = rx.blocking_recv() else {
             break Ended::Stopped;
         };
-        if !run_batch(ctx, engine.as_mut(), batch) {
+        if !run_batch(ctx, &mut stages, batch) {
             break Ended::Panicked { ran };
         }
         ran += 1;
     };
     // An engine that panicked may panic again as it is torn down.
-    let _ = std::panic::catch_unwind(AssertUnwindSafe(move || drop(engine)));
+    let _ = std::panic::catch_unwind(AssertUnwindSafe(move || drop(stages)));
     ended
 }
 
-/// Returns false if the engine panicked.
-fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bool {
+/// Returns false if the engine (or the JPEG decoder) panicked.
+fn run_batch(ctx: &InstanceContext, stages: &mut Stages, batch: Batch) -> bool {
     crate::memory::note_activity();
     // Only this batch's rows fail; the other rows of their requests are unaffected.
     let fail = |message: String| {
@@ -106,26 +104,16 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
     let row_bytes = |elem: usize| ctx.height * ctx.width * 3 * elem;
     let mut bytes = Vec::with_capacity(batch.rows() * row_bytes(1));
     let mut tensors: Vec<f32> = Vec::new();
-    // JPEGs for the engine's GPU decoder (each with its row's place), and the rows whose
-    // image could not be decoded here.
+    // The JPEG rows, each with its row's place (zeros until decoded).
     let mut jpegs: Vec<(usize, Arc<JpegRow>)> = Vec::new();
-    let mut unusable: Vec<(usize, PreprocessError)> = Vec::new();
-    let on_device = engine.decodes_jpeg();
     let mut at = 0;
     for (job, range) in &batch.parts {
         for row in &job.job.rows[range.clone()] {
             match (format, row) {
                 (RowFormat::Image(_), Row::Bytes(row)) => bytes.extend_from_slice(row),
                 (RowFormat::Image(_), Row::Jpeg(jpeg)) => {
-                    let start = bytes.len();
-                    bytes.resize(start + row_bytes(1), 0);
-                    if on_device {
-                        jpegs.push((at, jpeg.clone()));
-                    } else if let Err(e) =
-                        jpeg.decode_on_cpu(CpuReason::NoGpuDecoder, &mut bytes[start..])
-                    {
-                        unusable.push((at, e));
-                    }
+                    bytes.resize(bytes.len() + row_bytes(1), 0);
+                    jpegs.push((at, jpeg.clone()));
                 }
                 (RowFormat::TensorF32, Row::Bytes(row)) => tensors.extend(
                     row.chunks_exact(4)
@@ -141,26 +129,37 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
         }
     }
     let rows = batch.rows();
+    let len = match format {
+        RowFormat::Image(_) => bytes.len(),
+        RowFormat::TensorF32 => tensors.len(),
+    };
+    if len != rows * row_bytes(1) {
+        fail(format!(
+            "rows do not have the model's input size {}x{}x3",
+            ctx.height, ctx.width
+        ));
+        return true;
+    }
+    let (engine, decoder) = (stages.engine.as_mut(), stages.decoder.as_deref_mut());
+    let decoded = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        decode_rows(decoder, &jpegs, &mut bytes, ctx.height, ctx.width)
+    }));
+    let Ok(unusable) = decoded else {
+        fail("the JPEG decoder panicked".into());
+        return false;
+    };
     let input = match format {
-        RowFormat::Image(normalize) if bytes.len() == rows * row_bytes(1) => BatchInput::Images {
+        RowFormat::Image(normalize) => BatchInput::Images {
             data: &bytes,
             height: ctx.height,
             width: ctx.width,
             normalize,
-            jpegs: &jpegs,
         },
-        RowFormat::TensorF32 if tensors.len() == rows * row_bytes(1) => BatchInput::Tensors {
+        RowFormat::TensorF32 => BatchInput::Tensors {
             data: &tensors,
             height: ctx.height,
             width: ctx.width,
         },
-        _ => {
-            fail(format!(
-                "rows do not have the model's input size {}x{}x3",
-                ctx.height, ctx.width
-            ));
-            return true;
-        }
     };
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| engine.run(input, want)));
     match result {
@@ -171,11 +170,6 @@ fn run_batch(ctx: &InstanceContext, engine: &mut dyn Engine, batch: Batch) -> bo
                 return true;
             }
             record_execution(ctx, &batch, &out.timings);
-            if let Some(gpu) = &out.gpu_decoded {
-                ctx.metrics
-                    .count_decode(gpu.path, "gpu_decodable", gpu.images as u64, gpu.took);
-            }
-            unusable.append(&mut out.unusable);
             let mut unusable: std::collections::HashMap<usize, PreprocessError> =
                 unusable.into_iter().collect();
             let mut top_k = std::mem::take(&mut out.top_k).into_iter();

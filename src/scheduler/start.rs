@@ -15,13 +15,13 @@ use super::supervisor::{Counted, Halt, Instance, Instances, Loaded};
 use super::tuning::{BatchSizeChoice, Tuned};
 use super::{BatchPolicy, ModelHandle, ModelState, ResponseCache};
 use crate::domain::{InstanceId, ModelName, ModelVersion, WarmupSample};
-use crate::engine::{Engine, EngineError, EngineSpec};
+use crate::engine::{EngineError, EngineSpec, Stages};
 use crate::telemetry::Metrics;
 
-/// Builds the engine of one instance as its `EngineSpec` says; called on that instance's
-/// own thread.
+/// Builds what one instance runs (its engine, and its JPEG decoder where it has one) as
+/// its `EngineSpec` says; called on that instance's own thread.
 pub type EngineFactory =
-    Arc<dyn Fn(&EngineSpec, InstanceId) -> Result<Box<dyn Engine>, EngineError> + Send + Sync>;
+    Arc<dyn Fn(&EngineSpec, InstanceId) -> Result<Stages, EngineError> + Send + Sync>;
 
 #[derive(Debug, Clone)]
 pub struct ModelSettings {
@@ -92,7 +92,6 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
             ctx: InstanceContext {
                 model: name.clone(),
                 series: series.clone(),
-                metrics: settings.metrics.clone(),
                 executions: settings.metrics.instance_executions(&name, &id.to_string()),
                 id,
                 height: settings.engine.height,

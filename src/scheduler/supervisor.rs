@@ -16,7 +16,7 @@ use super::start::EngineFactory;
 use super::tuning::{self, BatchSizeChoice, Tuned};
 use super::ModelState;
 use crate::domain::{InstanceId, WarmupSample};
-use crate::engine::{Engine, EngineSpec};
+use crate::engine::{EngineSpec, Stages};
 
 /// How long an instance waits before a restart; doubled after each failed restart or
 /// panic before a finished batch, up to `RESTART_PAUSE_MAX`.
@@ -27,8 +27,8 @@ const RESTART_PAUSE_MAX: Duration = Duration::from_secs(30);
 pub(super) type Loaded = Result<(String, usize), String>;
 
 /// One in a count while it lives: an instance thread in the server's count of them (from
-/// just before it is spawned until it ends or fails to spawn), an instance whose engine
-/// decodes JPEGs on its GPU in the handle's `gpu_decoders` (while it serves).
+/// just before it is spawned until it ends or fails to spawn), an instance with a JPEG
+/// decoder (on its GPU) in the handle's `gpu_decoders` (while it serves).
 pub(super) struct Counted(Arc<AtomicUsize>);
 
 impl Counted {
@@ -91,18 +91,18 @@ pub(super) struct Instance {
 
 impl Instance {
     /// Loads and warms up the engine; a panic meanwhile (a broken device) is a failed load.
-    fn start(&self) -> Result<(Box<dyn Engine>, usize), String> {
+    fn start(&self) -> Result<(Stages, usize), String> {
         std::panic::catch_unwind(AssertUnwindSafe(|| {
             let _alone = self.id.gpu.is_none().then(tuning::cpu_start_alone);
-            let mut engine = (self.factory)(&self.spec, self.id).map_err(|e| e.to_string())?;
+            let mut stages = (self.factory)(&self.spec, self.id).map_err(|e| e.to_string())?;
             let target = tuning::prepare(
-                engine.as_mut(),
+                stages.engine.as_mut(),
                 &self.ctx,
                 &self.batch_size,
                 &self.tuned,
                 &self.warmup,
             )?;
-            Ok((engine, target))
+            Ok((stages, target))
         }))
         .unwrap_or_else(|_| Err("the engine panicked while loading".into()))
     }
@@ -114,8 +114,8 @@ impl Instance {
         let mut pause = RESTART_PAUSE;
         loop {
             match (self.start(), loading.take()) {
-                (Ok((engine, target)), loading) => {
-                    let device = engine.device().to_string();
+                (Ok((stages, target)), loading) => {
+                    let device = stages.engine.device().to_string();
                     match loading {
                         Some(loaded) => {
                             self.instances.add_one();
@@ -126,9 +126,9 @@ impl Instance {
                             tracing::warn!(model, instance = %id, "instance restarted");
                         }
                     }
-                    let decodes = engine.decodes_jpeg();
+                    let decodes = stages.decoder.is_some();
                     let _decoding = decodes.then(|| Counted::new(&self.gpu_decoders));
-                    match instance_loop(&self.ctx, engine, target, &self.slots) {
+                    match instance_loop(&self.ctx, stages, target, &self.slots) {
                         Ended::Stopped => return,
                         Ended::Panicked { ran } => {
                             tracing::error!(model, instance = %id, "the engine panicked; restarting the instance in {pause:?}");

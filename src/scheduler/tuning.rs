@@ -150,7 +150,6 @@ fn warm_up(
                 mean: [0.5; 3],
                 std: [0.5; 3],
             },
-            jpegs: &[],
         };
         let t = Instant::now();
         engine

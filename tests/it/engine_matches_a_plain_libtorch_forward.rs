@@ -77,7 +77,6 @@ fn staged_and_cached_inputs_give_bit_identical_logits_and_top_k() {
                     height: SIDE,
                     width: SIDE,
                     normalize: NORMALIZE,
-                    jpegs: &[],
                 },
                 want,
             )
@@ -145,7 +144,6 @@ fn image_logits(engine: &mut TorchEngine, data: &[u8]) -> Vec<f32> {
                 height: SIDE,
                 width: SIDE,
                 normalize: NORMALIZE,
-                jpegs: &[],
             },
             OutputRequest {
                 top_k: 1,

@@ -3,11 +3,13 @@
 //! engine of each TorchScript or torch.export instance.
 use std::path::PathBuf;
 
+use super::jpeg::GpuJpeg;
 use super::{cuda, cuda_device_count, cuda_host, TorchEngine};
 use crate::domain::InstanceId;
 use crate::engine::registry::Backend;
-use crate::engine::{Engine, EngineError, EngineSpec};
+use crate::engine::{EngineError, EngineSpec, Stages};
 use crate::nvidia::{driver, nvjpeg, version_text, Nvml};
+use crate::preprocess::BatchDecoder;
 
 /// How libtorch starts.
 #[derive(Debug, Clone)]
@@ -86,7 +88,7 @@ impl Libtorch {
 }
 
 impl Backend for Libtorch {
-    fn load(&self, spec: &EngineSpec, id: InstanceId) -> Result<Box<dyn Engine>, EngineError> {
+    fn load(&self, spec: &EngineSpec, id: InstanceId) -> Result<Stages, EngineError> {
         if let (Some(why), Some(_)) = (&self.problem, id.gpu) {
             return Err(EngineError::Load {
                 path: format!("instance {id}"),
@@ -97,11 +99,13 @@ impl Backend for Libtorch {
         // instances too, so the little CPU work they do (the copy into the staging
         // buffer) never spreads over the cores decoding needs.
         tch::set_num_threads(self.intra_op_threads as i32);
-        let mut engine = TorchEngine::load(spec, id.gpu)?;
-        if let Some((library, memory)) = self.nvjpeg {
-            engine.decode_jpeg_with(library, memory);
+        let mut stages = Stages::engine(TorchEngine::load(spec, id.gpu)?);
+        // After the engine: the decoder takes the stream the engine made this thread's.
+        if let (Some((library, memory)), Some(gpu)) = (self.nvjpeg, id.gpu) {
+            stages.decoder = GpuJpeg::start(library, gpu as usize, memory)
+                .map(|jpeg| Box::new(jpeg) as Box<dyn BatchDecoder>);
         }
-        Ok(Box::new(engine))
+        Ok(stages)
     }
 }
 

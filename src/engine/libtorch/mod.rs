@@ -8,15 +8,14 @@ mod aoti;
 mod backend;
 pub mod cuda;
 pub mod cuda_host;
+mod jpeg;
 mod package;
 
 use super::{
     BatchInput, ComputeTimings, Engine, EngineError, EngineOutput, EngineSpec, FileErrors,
-    GpuDecoded, OutputRequest,
+    OutputRequest,
 };
-use crate::domain::{ClassScore, Normalize, Precision, ResizeFilter, Runtime};
-use crate::nvidia::nvjpeg;
-use crate::preprocess::{CpuReason, JpegRow};
+use crate::domain::{ClassScore, Normalize, Precision, Runtime};
 use aoti::Package;
 pub use backend::{Libtorch, Options};
 
@@ -60,23 +59,6 @@ pub struct TorchEngine {
     sizes_run: std::collections::BTreeSet<usize>,
     /// The reduced precision the forward runs in under autocast (`None`: FP32).
     autocast: Option<Kind>,
-    /// On a GPU with nvJPEG: the JPEG rows' decoder.
-    jpeg: Option<GpuJpeg>,
-}
-
-/// An instance's GPU JPEG decoding: nvJPEG on its stream, the device memory its decoded
-/// images may hold at once, and events around it (its device time).
-struct GpuJpeg {
-    decoder: nvjpeg::Decoder,
-    memory: u64,
-    events: [cuda::Event; 2],
-}
-
-/// What a batch's JPEG rows came to.
-#[derive(Default)]
-struct JpegOutcome {
-    unusable: Vec<(usize, crate::preprocess::PreprocessError)>,
-    on_gpu: usize,
 }
 
 /// Whether this CPU runs bfloat16 convolutions and matmuls natively (AVX-512 BF16 or
@@ -173,39 +155,7 @@ impl TorchEngine {
             events,
             sizes_run: Default::default(),
             autocast,
-            jpeg: None,
         })
-    }
-
-    /// Decodes the JPEG rows of its batches on its GPU with `nvjpeg`, its decoded images
-    /// holding at most `memory` bytes of device memory at once. On the CPU, or when the
-    /// decoder cannot start (said once per instance), it stays without: the instance's
-    /// JPEG rows are then decoded on the CPU.
-    pub fn decode_jpeg_with(&mut self, nvjpeg: &'static nvjpeg::Library, memory: u64) {
-        let Device::Cuda(index) = self.device else {
-            return;
-        };
-        // nvJPEG works on the thread's current device: this instance's.
-        let started = cuda::set_device(index)
-            .and_then(|()| cuda::current_stream(index))
-            .and_then(|stream| nvjpeg::Decoder::new(nvjpeg, stream))
-            .and_then(|decoder| {
-                let events = [cuda::Event::new()?, cuda::Event::new()?];
-                Ok(GpuJpeg {
-                    decoder,
-                    memory,
-                    events,
-                })
-            });
-        match started {
-            Ok(jpeg) => {
-                tracing::info!(device = ?self.device, decoder = jpeg.decoder.backend().label(), nvjpeg = nvjpeg.version(), "JPEG decode on the GPU");
-                self.jpeg = Some(jpeg);
-            }
-            Err(e) => {
-                tracing::warn!(device = ?self.device, "nvJPEG cannot decode here, JPEGs are decoded on the CPU: {e}")
-            }
-        }
     }
 
     /// The rows a batch of `rows` runs as (see `sizes_run`): the smallest size run before
@@ -310,7 +260,6 @@ impl TorchEngine {
         &mut self,
         input: BatchInput<'_>,
         rows: usize,
-        jpegs_out: &mut JpegOutcome,
     ) -> Result<Tensor, tch::TchError> {
         let pad = (rows - input.rows()) as i64;
         let rows = rows as i64;
@@ -321,7 +270,6 @@ impl TorchEngine {
                 height,
                 width,
                 normalize,
-                jpegs,
             } => {
                 // u8 travels to the device (4x fewer bytes than f32), then NHWC -> NCHW,
                 // to f32 and (x / 255 - mean) / std there, in the order torchvision does it.
@@ -332,9 +280,6 @@ impl TorchEngine {
                     .stage(data, rows as usize * height * width * 3)?
                     .f_view(shape)?
                     .f_to_device_(self.device, Kind::Uint8, cuda, false)?;
-                if !jpegs.is_empty() {
-                    *jpegs_out = self.place_jpegs(&x, jpegs)?;
-                }
                 let (mean, std) = self.normalize(normalize)?;
                 normalized(&x, mean, std)
             }
@@ -376,8 +321,7 @@ impl TorchEngine {
         let padded = self.padded(rows);
         let t0 = Instant::now();
         self.mark(0)?;
-        let mut jpegs = JpegOutcome::default();
-        let x = self.input_tensor(input, padded, &mut jpegs)?;
+        let x = self.input_tensor(input, padded)?;
         self.mark(1)?;
         let t1 = Instant::now();
         let logits = match (&self.module, self.autocast) {
@@ -448,178 +392,8 @@ impl TorchEngine {
         }
         self.mark(3)?;
         out.timings = self.timings([t0, t1, t2, Instant::now()])?;
-        out.unusable = jpegs.unusable;
-        if let (Some(gpu), true) = (&self.jpeg, jpegs.on_gpu > 0) {
-            // The stream is done with the batch (`timings` waited for its last event).
-            let took = gpu.events[0]
-                .elapsed(&gpu.events[1])
-                .map_err(tch::TchError::Torch)?;
-            out.gpu_decoded = Some(GpuDecoded {
-                path: gpu.decoder.backend().label(),
-                images: jpegs.on_gpu,
-                took,
-            });
-        }
         Ok(out)
     }
-
-    /// Writes each of `jpegs` into its row of `x` (`[N, H, W, 3]` u8 on the device):
-    /// decoded on the GPU in groups whose decoded images fit the decoder's memory, resized
-    /// and oriented there; what the GPU decoder refuses or fails is decoded on the CPU and
-    /// copied up; what the CPU cannot decode either is unusable.
-    fn place_jpegs(
-        &mut self,
-        x: &Tensor,
-        jpegs: &[(usize, std::sync::Arc<JpegRow>)],
-    ) -> Result<JpegOutcome, tch::TchError> {
-        let size = x.size();
-        let (height, width) = (size[1], size[2]);
-        let device = self.device;
-        let mut outcome = JpegOutcome::default();
-        let mut on_cpu: Vec<&(usize, std::sync::Arc<JpegRow>)> = Vec::new();
-        if let (Some(gpu), Device::Cuda(index)) = (self.jpeg.as_mut(), device) {
-            let torch = tch::TchError::Torch;
-            // The previous batch's work is done (its outputs were waited for, or `drain`).
-            gpu.decoder.settled();
-            gpu.events[0].record(index).map_err(torch)?;
-            // Each image's planes (3 bytes a pixel), held until its group is placed, and
-            // its float copy while it is resized (12 bytes a pixel, one image at a time).
-            let planes = |(w, h): (u32, u32)| 3 * u64::from(w) * u64::from(h);
-            let mut next = 0;
-            while next < jpegs.len() {
-                // The next group: as many images as fit the memory.
-                let mut group = Vec::new();
-                let (mut held, mut largest) = (0, 0);
-                while let Some(item) = jpegs.get(next) {
-                    let (w, h) = (item.1.width, item.1.height);
-                    let need = planes((w, h));
-                    if need * 5 > gpu.memory || !resizable((w, h), (height, width)) {
-                        on_cpu.push(item);
-                    } else if held + need + 4 * largest.max(need) > gpu.memory {
-                        break;
-                    } else {
-                        match Tensor::f_empty(
-                            [3, i64::from(h), i64::from(w)],
-                            (Kind::Uint8, device),
-                        ) {
-                            Ok(out) => {
-                                group.push((item, out, w, h));
-                                held += need;
-                                largest = largest.max(need);
-                            }
-                            Err(e) => {
-                                tracing::debug!("no device memory for a decoded image ({e}); the CPU decodes it");
-                                on_cpu.push(item);
-                            }
-                        }
-                    }
-                    next += 1;
-                }
-                let jobs: Vec<nvjpeg::Job<'_>> = group
-                    .iter()
-                    .map(|((_, jpeg), out, w, h)| nvjpeg::Job {
-                        bytes: &jpeg.bytes,
-                        out: out.data_ptr() as *mut u8,
-                        width: *w,
-                        height: *h,
-                    })
-                    .collect();
-                let events = &mut gpu.events;
-                let mut settle = || {
-                    events[1].record(index)?;
-                    events[1].synchronize()
-                };
-                let results = gpu.decoder.decode(&jobs, &mut settle);
-                for ((item, out, _, _), result) in group.iter().zip(results) {
-                    let (place, jpeg) = item;
-                    let placed = result.map_err(tch::TchError::Torch).and_then(|()| {
-                        let row =
-                            device_row(out, jpeg.orientation, jpeg.settings.filter, height, width)?;
-                        x.f_get(*place as i64)?.f_copy_(&row)
-                    });
-                    match placed {
-                        Ok(_) => outcome.on_gpu += 1,
-                        Err(e) => {
-                            tracing::debug!("an image was not decoded or resized on the GPU ({e}); the CPU does it");
-                            on_cpu.push(item);
-                        }
-                    }
-                }
-            }
-            gpu.events[1].record(index).map_err(torch)?;
-        } else {
-            on_cpu.extend(jpegs);
-        }
-        let reason = if self.jpeg.is_some() {
-            CpuReason::GpuFailed
-        } else {
-            CpuReason::NoGpuDecoder
-        };
-        for (place, jpeg) in on_cpu {
-            let mut row = vec![0u8; (height * width * 3) as usize];
-            match jpeg.decode_on_cpu(reason, &mut row) {
-                Ok(()) => {
-                    let row = Tensor::f_from_slice(&row)?
-                        .f_view([height, width, 3])?
-                        .f_to_device(device)?;
-                    x.f_get(*place as i64)?.f_copy_(&row)?;
-                }
-                Err(e) => outcome.unusable.push((*place, e)),
-            }
-        }
-        Ok(outcome)
-    }
-}
-
-/// Whether a `w` x `h` image resizes to `height` x `width` on a GPU: libtorch's CUDA
-/// antialiased resize refuses shrinking by much more than 64 a side (its filter's taps no
-/// longer fit a block's shared memory); such images are decoded and resized on the CPU.
-fn resizable((w, h): (u32, u32), (height, width): (i64, i64)) -> bool {
-    const MAX_SHRINK: i64 = 64;
-    i64::from(w.max(h)) <= MAX_SHRINK * height.min(width)
-}
-
-/// A decoded JPEG (`img`: `[3, h, w]` u8 planes, as stored, on any device) as the model's
-/// row, `[height, width, 3]` u8 there, made as the CPU path makes it: resized with the
-/// preprocessor's filter (antialiased bilinear, or plain bilinear for `linear`) to the
-/// model's size with the sides swapped where the EXIF orientation turns the image, rounded
-/// to u8, then oriented.
-fn device_row(
-    img: &Tensor,
-    orientation: u16,
-    filter: ResizeFilter,
-    height: i64,
-    width: i64,
-) -> Result<Tensor, tch::TchError> {
-    let (th, tw) = if matches!(orientation, 5..=8) {
-        (width, height)
-    } else {
-        (height, width)
-    };
-    let x = img.f_unsqueeze(0)?.f_to_kind(Kind::Float)?;
-    let x = match filter {
-        ResizeFilter::Linear => x.f_upsample_bilinear2d([th, tw], false, None, None)?,
-        // `area` JPEGs stay on the CPU path (`preprocess::prepare`).
-        ResizeFilter::Bilinear | ResizeFilter::Area => {
-            x.f_internal_upsample_bilinear2d_aa([th, tw], false, None, None)?
-        }
-    };
-    let x = x
-        .f_round()?
-        .f_clamp(0, 255)?
-        .f_to_kind(Kind::Uint8)?
-        .f_squeeze_dim(0)?;
-    let x = match orientation {
-        2 => x.f_flip([2])?,
-        3 => x.f_flip([1, 2])?,
-        4 => x.f_flip([1])?,
-        5 => x.f_transpose(1, 2)?,
-        6 => x.f_transpose(1, 2)?.f_flip([2])?,
-        7 => x.f_transpose(1, 2)?.f_flip([1, 2])?,
-        8 => x.f_transpose(1, 2)?.f_flip([1])?,
-        _ => x,
-    };
-    x.f_permute([1, 2, 0])
 }
 
 /// u8 NHWC images to f32 NCHW `(x / 255 - mean) / std`, in the order torchvision does it,
@@ -652,126 +426,11 @@ impl Engine for TorchEngine {
             _ => super::Device::Cpu,
         }
     }
-
-    fn decodes_jpeg(&self) -> bool {
-        self.jpeg.is_some()
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::preprocess::{self, DecodeBudget, PreprocessSettings, Row};
-
-    /// `rgb` (`h` x `w` HWC u8) as the planes nvJPEG writes: `[3, h, w]`.
-    fn planes(rgb: &[u8], h: usize, w: usize) -> Tensor {
-        Tensor::from_slice(rgb)
-            .view([h as i64, w as i64, 3])
-            .permute([2, 0, 1])
-            .contiguous()
-    }
-
-    #[test]
-    fn device_rows_are_oriented_as_the_cpu_path_orients() {
-        // 5x7, every pixel its own; no resampling (the target is the oriented size).
-        let (h, w) = (5usize, 7usize);
-        let rgb: Vec<u8> = (0..h * w * 3).map(|i| (i * 7 % 251) as u8).collect();
-        for orientation in 1..=8u16 {
-            let (rh, rw) = if orientation >= 5 { (w, h) } else { (h, w) };
-            let row = device_row(
-                &planes(&rgb, h, w),
-                orientation,
-                ResizeFilter::Bilinear,
-                rh as i64,
-                rw as i64,
-            )
-            .unwrap()
-            .contiguous();
-            let got = Vec::<u8>::try_from(&row.flatten(0, -1)).unwrap();
-            let mut want = vec![0; rgb.len()];
-            preprocess::exif::apply_orientation(&rgb, w, h, orientation, &mut want);
-            assert_eq!(got, want, "orientation {orientation}");
-        }
-    }
-
-    #[test]
-    fn device_rows_of_the_test_photos_are_the_cpu_paths_within_one_level() {
-        // Each photo as a GPU-decoded JPEG row would be made: decoded at full size (here by
-        // libjpeg-turbo, there by nvJPEG), resized and oriented by libtorch (here on the
-        // CPU, there on CUDA), against the CPU path's row. The photos the CPU path decodes
-        // at a DCT scale stay on the CPU path.
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/photos");
-        let (budget, metrics) = (
-            std::sync::Arc::new(DecodeBudget::unlimited()),
-            std::sync::Arc::new(crate::telemetry::Metrics::new()),
-        );
-        for filter in [ResizeFilter::Bilinear, ResizeFilter::Linear] {
-            let settings = std::sync::Arc::new(PreprocessSettings {
-                width: 224,
-                height: 224,
-                dct_scaling_min_side: 448,
-                max_pixels: 1 << 28,
-                filter,
-            });
-            let (mut worst, mut total, mut values, mut on_gpu) = (0u8, 0u64, 0u64, 0);
-            for size in ["small", "medium", "large"] {
-                for entry in std::fs::read_dir(dir.join(size)).unwrap() {
-                    let bytes = std::fs::read(entry.unwrap().path()).unwrap();
-                    let row = preprocess::prepare(
-                        bytes.clone().into(),
-                        &settings,
-                        true,
-                        &budget,
-                        &metrics,
-                    );
-                    let header = turbojpeg::read_header(&bytes).unwrap();
-                    let scaled = preprocess::dct_scale(
-                        header.width,
-                        header.height,
-                        settings.dct_scaling_min_side,
-                    ) != turbojpeg::ScalingFactor::ONE;
-                    let jpeg = match row {
-                        Ok(Row::Jpeg(jpeg)) if !scaled => jpeg,
-                        Ok(Row::Bytes(_)) if scaled => continue,
-                        _ => panic!("a baseline photo goes to the GPU decoder unless the CPU path scales it: {row:?}"),
-                    };
-                    on_gpu += 1;
-                    let mut d = turbojpeg::Decompressor::new().unwrap();
-                    let (w, h) = (jpeg.width as usize, jpeg.height as usize);
-                    let mut rgb = vec![0u8; w * h * 3];
-                    let image = turbojpeg::Image {
-                        pixels: rgb.as_mut_slice(),
-                        width: w,
-                        pitch: w * 3,
-                        height: h,
-                        format: turbojpeg::PixelFormat::RGB,
-                    };
-                    d.decompress(&bytes, image).unwrap();
-                    let device =
-                        device_row(&planes(&rgb, h, w), jpeg.orientation, filter, 224, 224)
-                            .unwrap();
-                    let device = Vec::<u8>::try_from(&device.contiguous().flatten(0, -1)).unwrap();
-                    let mut cpu = vec![0u8; settings.row_len()];
-                    preprocess::decode_into(&bytes, &settings, &budget, &mut cpu).unwrap();
-                    for (a, b) in device.iter().zip(&cpu) {
-                        let d = a.abs_diff(*b);
-                        worst = worst.max(d);
-                        total += u64::from(d);
-                        values += 1;
-                    }
-                }
-            }
-            assert!(on_gpu >= 20, "{on_gpu} photos went to the GPU decoder");
-            let mean = total as f64 / values as f64;
-            eprintln!(
-                "{filter:?}: largest difference {worst}, mean {mean:.4} over {values} values"
-            );
-            assert!(
-                worst <= 1 && mean < 0.2,
-                "{filter:?}: largest {worst}, mean {mean}"
-            );
-        }
-    }
 
     #[test]
     fn libtorch_normalizes_every_value_as_the_host_does() {
