@@ -59,8 +59,9 @@ pub struct EngineFlags {
     pub nvjpeg_library: Option<PathBuf>,
 
     /// Device memory each GPU instance's JPEG decode may hold at once: a group's decoded
-    /// planes (3 bytes a pixel at the decoded size) and one image's float copy while it is
-    /// resized (12 bytes a pixel). A batch's JPEGs are decoded in groups that fit; an image
+    /// planes (3 bytes a pixel at the decoded size) and its resized rows (3 bytes a pixel
+    /// at the model's size), and one image's float copy while it is resized (12 bytes a
+    /// pixel). A batch's JPEGs are decoded in groups that fit; an image
     /// that alone needs more is decoded on the CPU.
     #[arg(long, env = "VISIONGATE_GPU_DECODE_MEMORY_BYTES", default_value_t = 1 << 30,
           value_parser = clap::value_parser!(u64).range(1 << 20..))]

@@ -11,7 +11,8 @@ use super::{CpuReason, JpegRow, PreprocessError};
 /// A decoder of a batch's JPEG rows on an instance's device.
 pub trait BatchDecoder: Send {
     /// Decodes what it can of `jpegs` (each with its row's place in `rows`: the batch's
-    /// u8 HWC rows of `height` x `width`) into its row.
+    /// u8 HWC rows of `height` x `width`) into its row; every one it does not decode is
+    /// in the answer's `left`.
     fn decode(
         &mut self,
         jpegs: &[(usize, Arc<JpegRow>)],
@@ -27,8 +28,8 @@ pub struct DeviceDecode {
     /// The `path` label of `visiongate_decode_images_total`: `gpu_hardware` or
     /// `gpu_assisted`.
     pub path: &'static str,
-    /// How many it decoded, and what its device took for them (decode, resize, and the
-    /// rows copied into the batch).
+    /// How many it decoded, and the time from its first work on the device to the last
+    /// row copied into the batch.
     pub decoded: usize,
     pub took: Duration,
     /// The indices into `jpegs` of those it refused or failed: the CPU decodes them.
@@ -46,9 +47,12 @@ pub fn decode_rows(
     height: usize,
     width: usize,
 ) -> Vec<(usize, PreprocessError)> {
+    if jpegs.is_empty() {
+        return Vec::new();
+    }
     let row = height * width * 3;
     let (left, reason) = match decoder {
-        Some(decoder) if !jpegs.is_empty() => {
+        Some(decoder) => {
             let done = decoder.decode(jpegs, rows, height, width);
             if done.decoded > 0 {
                 jpegs[0].1.metrics.count_decode(
@@ -60,10 +64,10 @@ pub fn decode_rows(
             }
             (done.left, CpuReason::GpuFailed)
         }
-        _ => ((0..jpegs.len()).collect(), CpuReason::NoGpuDecoder),
+        None => ((0..jpegs.len()).collect(), CpuReason::NoGpuDecoder),
     };
     let mut unusable = Vec::new();
-    for (place, jpeg) in left.into_iter().filter_map(|i| jpegs.get(i)) {
+    for (place, jpeg) in left.into_iter().map(|i| &jpegs[i]) {
         let out = &mut rows[place * row..(place + 1) * row];
         if let Err(e) = jpeg.decode_on_cpu(reason, out) {
             unusable.push((*place, e));

@@ -131,8 +131,9 @@ impl Instance {
                     match instance_loop(&self.ctx, stages, target, &self.slots) {
                         Ended::Stopped => return,
                         Ended::Panicked { ran } => {
-                            tracing::error!(model, instance = %id, "the engine panicked; restarting the instance in {pause:?}");
-                            let why = format!("instance {id}: the engine panicked");
+                            tracing::error!(model, instance = %id, "the engine or the JPEG decoder panicked; restarting the instance in {pause:?}");
+                            let why =
+                                format!("instance {id}: the engine or the JPEG decoder panicked");
                             self.instances.went_down(&why);
                             if ran > 0 {
                                 pause = RESTART_PAUSE;

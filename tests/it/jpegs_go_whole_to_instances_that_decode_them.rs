@@ -1,10 +1,11 @@
-//! Where the classifier's instances have a JPEG decoder (GPU instances with nvJPEG; here the
-//! fake's, which fails every JPEG, so that its instance decodes them on the CPU as a GPU
-//! instance does what its decoder fails), the pipeline passes the JPEGs whose structure the GPU decoder takes on
-//! whole, unless the CPU path would decode them at a DCT scale, and decodes the rest on the
-//! CPU, each counted with its reason; every image gets the class it gets when all are
-//! decoded on the CPU, and a JPEG that passes the header check but cannot be decoded is its
-//! own file's error in `/predict` and fails a KServe ensemble request, naming its row.
+//! Where the classifier's instances have a JPEG decoder (GPU instances with nvJPEG; here
+//! the fake's, which fails every JPEG, so that its instance decodes them on the CPU as a
+//! GPU instance does what its decoder fails), the pipeline passes the JPEGs whose structure
+//! the GPU decoder takes on whole, unless the CPU path would decode them at a DCT scale,
+//! and decodes the rest on the CPU, each counted with its reason; every image gets the
+//! class it gets when all are decoded on the CPU, and a JPEG that passes the header check
+//! but cannot be decoded is its own file's error in `/predict` and fails a KServe ensemble
+//! request, naming its row.
 use crate::common;
 
 use std::sync::Arc;

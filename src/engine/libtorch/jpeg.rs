@@ -1,10 +1,11 @@
 //! The JPEG decoding stage of libtorch's GPU instances (`--gpu-decode`): nvJPEG on the
 //! instance's stream decodes a batch's JPEG rows at full size, in groups whose decoded
 //! images fit the memory it is given; libtorch resizes, rounds and orients each there as
-//! the CPU path does (`device_row`); each group's rows come back into the batch's host
-//! rows in one copy, so the engine takes them as any other row. What nvJPEG refuses or
+//! the CPU path does (`device_row`), into the group's buffer, which comes back into the
+//! batch's host rows in one copy, so the engine takes them as any other row. What nvJPEG refuses or
 //! fails, or cannot be resized on the GPU, is left to the CPU.
 use std::sync::Arc;
+use std::time::Duration;
 
 use tch::{Device, Kind, Tensor};
 
@@ -20,6 +21,8 @@ pub struct GpuJpeg {
     index: usize,
     memory: u64,
     events: [cuda::Event; 2],
+    /// Its stream could not be waited for after a failure: it decodes nothing more.
+    broken: bool,
 }
 
 impl GpuJpeg {
@@ -39,6 +42,7 @@ impl GpuJpeg {
                     index,
                     memory,
                     events,
+                    broken: false,
                 })
             });
         match started {
@@ -62,24 +66,22 @@ impl GpuJpeg {
     }
 
     /// Decodes what it can of `jpegs` into their rows of `rows`, marking each in `done`;
-    /// the device time it took.
+    /// the time from its first work on the stream to its last row's copy back.
     fn place(
         &mut self,
         jpegs: &[(usize, Arc<JpegRow>)],
         rows: &mut [u8],
         (height, width): (usize, usize),
         done: &mut [bool],
-    ) -> Result<std::time::Duration, tch::TchError> {
+    ) -> Result<Duration, tch::TchError> {
         let torch = tch::TchError::Torch;
         let (index, device) = (self.index, Device::Cuda(self.index));
         let row = height * width * 3;
         let (height, width) = (height as i64, width as i64);
-        // The previous batch's work is done (its rows were copied back, or `place` failed
-        // and its caller waited for the stream).
-        self.decoder.settled();
         self.events[0].record(index).map_err(torch)?;
-        // Each image's planes (3 bytes a pixel), held until its group is copied back, and
-        // its float copy while it is resized (12 bytes a pixel, one image at a time).
+        // Each image's planes (3 bytes a pixel) and its row in the group's buffer, held
+        // until the group is copied back, and its float copy while it is resized (12 bytes
+        // a pixel, one image at a time).
         let planes = |(w, h): (u32, u32)| 3 * u64::from(w) * u64::from(h);
         let mut next = 0;
         while next < jpegs.len() {
@@ -89,15 +91,15 @@ impl GpuJpeg {
             while let Some((_, jpeg)) = jpegs.get(next) {
                 let (w, h) = (jpeg.width, jpeg.height);
                 let need = planes((w, h));
-                if need * 5 > self.memory || !resizable((w, h), (height, width)) {
+                if need * 5 + row as u64 > self.memory || !resizable((w, h), (height, width)) {
                     // Left to the CPU.
-                } else if held + need + 4 * largest.max(need) > self.memory {
+                } else if held + need + row as u64 + 4 * largest.max(need) > self.memory {
                     break;
                 } else {
                     match Tensor::f_empty([3, i64::from(h), i64::from(w)], (Kind::Uint8, device)) {
                         Ok(out) => {
                             group.push((next, out));
-                            held += need;
+                            held += need + row as u64;
                             largest = largest.max(need);
                         }
                         Err(e) => {
@@ -108,6 +110,9 @@ impl GpuJpeg {
                     }
                 }
                 next += 1;
+            }
+            if group.is_empty() {
+                continue;
             }
             let jobs: Vec<nvjpeg::Job<'_>> = group
                 .iter()
@@ -127,14 +132,21 @@ impl GpuJpeg {
                 events[1].synchronize()
             };
             let results = self.decoder.decode(&jobs, &mut settle);
+            // Each row made into the group's buffer, in order; then one copy to the host.
+            let buffer = Tensor::f_empty(
+                [group.len() as i64, height, width, 3],
+                (Kind::Uint8, device),
+            )?;
             let mut made = Vec::new();
             for ((i, out), result) in group.iter().zip(results) {
                 let jpeg = &jpegs[*i].1;
                 let resized = result.map_err(torch).and_then(|()| {
-                    device_row(out, jpeg.orientation, jpeg.settings.filter, height, width)
+                    let resized =
+                        device_row(out, jpeg.orientation, jpeg.settings.filter, height, width)?;
+                    buffer.f_get(made.len() as i64)?.f_copy_(&resized)
                 });
                 match resized {
-                    Ok(resized) => made.push((*i, resized)),
+                    Ok(_) => made.push(*i),
                     Err(e) => {
                         tracing::debug!(
                             "an image was not decoded or resized on the GPU ({e}); the CPU does it"
@@ -145,13 +157,14 @@ impl GpuJpeg {
             if made.is_empty() {
                 continue;
             }
-            // The group's rows in one copy to the host (which waits for the stream).
-            let stacked: Vec<&Tensor> = made.iter().map(|(_, t)| t).collect();
-            let host = Tensor::f_stack(&stacked, 0)?
+            // The copy to the host waits for the stream: the decoder's work is done.
+            let host = buffer
+                .f_narrow(0, 0, made.len() as i64)?
                 .f_to_device(Device::Cpu)?
                 .f_flatten(0, -1)?;
             let host = Vec::<u8>::try_from(&host)?;
-            for ((i, _), made) in made.iter().zip(host.chunks_exact(row)) {
+            self.decoder.settled();
+            for (i, made) in made.iter().zip(host.chunks_exact(row)) {
                 let place = jpegs[*i].0;
                 rows[place * row..(place + 1) * row].copy_from_slice(made);
                 done[*i] = true;
@@ -159,7 +172,31 @@ impl GpuJpeg {
         }
         self.events[1].record(index).map_err(torch)?;
         self.events[1].synchronize().map_err(torch)?;
+        self.decoder.settled();
         self.events[0].elapsed(&self.events[1]).map_err(torch)
+    }
+
+    /// After a failed `place`: the stream may still hold its work, which reads the batch's
+    /// JPEGs and the decoder's state. Once the stream is done, the next batch decodes here
+    /// again (the rows it left go to the CPU); if it cannot be waited for (the context is
+    /// broken), this decoder leaves every JPEG to the CPU from then on.
+    fn failed(&mut self, e: tch::TchError) {
+        let waited = self.events[1]
+            .record(self.index)
+            .and_then(|()| self.events[1].synchronize());
+        match waited {
+            Ok(()) => {
+                self.decoder.settled();
+                tracing::warn!(
+                    gpu = self.index,
+                    "JPEG decode on the GPU failed ({e}); the CPU decodes what it left"
+                );
+            }
+            Err(wait) => {
+                self.broken = true;
+                tracing::error!(gpu = self.index, "JPEG decode on the GPU failed ({e}) and its stream cannot be waited for ({wait}): this instance decodes JPEGs on the CPU from now on");
+            }
+        }
     }
 }
 
@@ -172,27 +209,24 @@ impl BatchDecoder for GpuJpeg {
         width: usize,
     ) -> DeviceDecode {
         let mut done = vec![false; jpegs.len()];
-        let took = match self.place(jpegs, rows, (height, width), &mut done) {
-            Ok(took) => took,
-            Err(e) => {
-                // The stream may still hold this batch's work: wait for it before the rows
-                // and the decoder's state are used again.
-                tracing::warn!(
-                    gpu = self.index,
-                    "JPEG decode on the GPU failed ({e}); the CPU decodes what it left"
-                );
-                let _ = self.events[1]
-                    .record(self.index)
-                    .and_then(|()| self.events[1].synchronize());
-                self.decoder.settled();
-                std::time::Duration::ZERO
-            }
+        let took = if self.broken {
+            Duration::ZERO
+        } else {
+            self.place(jpegs, rows, (height, width), &mut done)
+                .unwrap_or_else(|e| {
+                    self.failed(e);
+                    Duration::ZERO
+                })
         };
         DeviceDecode {
             path: self.decoder.backend().label(),
             decoded: done.iter().filter(|d| **d).count(),
             took,
-            left: (0..jpegs.len()).filter(|&i| !done[i]).collect(),
+            left: done
+                .iter()
+                .enumerate()
+                .filter_map(|(i, done)| (!done).then_some(i))
+                .collect(),
         }
     }
 }
