@@ -2,6 +2,7 @@
 //! repositories, libtorch instances with dynamic batching.
 
 pub mod config;
+pub mod cores;
 pub mod domain;
 pub mod engine;
 pub mod engines;
@@ -84,13 +85,14 @@ impl Gateway {
             .context("reading the model repository")?;
 
         let engines = Engines::new(engine, settings.engine.clone())?;
-        let decode_threads = decode_threads(&settings, &scan, &engines);
+        let cores = Arc::new(cores::Cores::of_host());
+        let decode_threads = decode_threads(&settings, &scan, &engines, cores.total());
         let state = web::Data::new(build_state(
             &settings,
             scan,
             repositories,
             gpu_memory,
-            engines,
+            (engines, cores),
             decode_threads,
         ));
         let background = CancellationToken::new();
@@ -196,9 +198,14 @@ fn listening(name: &str, at: Option<Bind>, flag: &str) -> Option<Bind> {
     at
 }
 
-/// Decode threads: `--decode-threads`, or the default for the cores and whether any
+/// Decode threads: `--decode-threads`, or the default for the `cores` and whether any
 /// classifier instance runs on a GPU.
-fn decode_threads(settings: &Settings, scan: &repository::ScanResult, engines: &Engines) -> usize {
+fn decode_threads(
+    settings: &Settings,
+    scan: &repository::ScanResult,
+    engines: &Engines,
+    cores: usize,
+) -> usize {
     let gpu_instances = scan.models.iter().any(|m| match &m.kind {
         repository::ModelKind::Classifier(spec) => state::plan_instances(
             &spec.instance_groups,
@@ -209,7 +216,6 @@ fn decode_threads(settings: &Settings, scan: &repository::ScanResult, engines: &
         .is_ok_and(|(instances, _)| instances.iter().any(|i| i.gpu.is_some())),
         _ => false,
     });
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = settings
         .decode_threads
         .unwrap_or_else(|| preprocess::decode_threads(cores, gpu_instances));
@@ -222,13 +228,14 @@ fn decode_threads(settings: &Settings, scan: &repository::ScanResult, engines: &
     threads
 }
 
-/// The shared state: the decode pool, and the models the control mode loads at start-up.
+/// The shared state: the decode pool, and the models the control mode loads at start-up,
+/// sharing the `cores`.
 fn build_state(
     settings: &Settings,
     scan: repository::Snapshot,
     repositories: Repositories,
     gpu_memory: Arc<dyn shm::CudaIpc>,
-    engines: Engines,
+    (engines, cores): (Engines, Arc<cores::Cores>),
     decode_threads: usize,
 ) -> AppState {
     let models = settings.models;
@@ -249,6 +256,7 @@ fn build_state(
             dct_override: models.dct_override,
             precision: models.precision,
             live_instances: Default::default(),
+            cores,
         },
         StateSettings {
             control: settings.control.clone(),

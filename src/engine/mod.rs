@@ -139,6 +139,11 @@ pub trait Engine: Send {
     ) -> Result<EngineOutput, EngineError>;
     /// Where it runs.
     fn device(&self) -> Device;
+    /// The threads a batch computes on (its intra-op threads): on the CPU, the cores it
+    /// holds while it runs one (`cores::Cores`).
+    fn threads(&self) -> usize {
+        1
+    }
 }
 
 /// What an instance runs on each batch: its decoder of JPEG rows, where its device has one

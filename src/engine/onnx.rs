@@ -99,6 +99,8 @@ pub struct OnnxEngine {
     width: usize,
     num_classes: usize,
     device: super::Device,
+    /// Its intra-op threads.
+    threads: usize,
     /// The normalized rows of an image batch, reused: grows to the largest batch seen.
     staging: Vec<f32>,
 }
@@ -146,6 +148,11 @@ impl OnnxEngine {
             width: spec.width,
             num_classes: spec.num_classes,
             device: gpu.map_or(super::Device::Cpu, |i| super::Device::Cuda(i as usize)),
+            // 0: ONNX Runtime's default, a thread per core.
+            threads: match options.intra_op_threads.unwrap_or(threads) {
+                0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+                n => n,
+            },
             staging: Vec::new(),
         })
     }
@@ -225,6 +232,10 @@ impl Engine for OnnxEngine {
 
     fn device(&self) -> super::Device {
         self.device
+    }
+
+    fn threads(&self) -> usize {
+        self.threads
     }
 }
 

@@ -14,8 +14,9 @@ pub struct DecodeFlags {
 
     /// Threads that decode and resize images. 0: with a model instance on a GPU, every
     /// core but one (the GPU needs images faster than a few cores decode them); with CPU
-    /// instances only, half the cores (at least one), so decoding does not starve the
-    /// instances it feeds. See `decode_threads`.
+    /// instances only, one per core: they share the cores with the instances, a batch
+    /// that is due going before the next image, so every core decodes while the
+    /// instances wait for rows and none is split off for either. See `decode_threads`.
     #[arg(long, env = "VISIONGATE_DECODE_THREADS", default_value_t = 0)]
     pub decode_threads: usize,
 
@@ -79,13 +80,14 @@ fn memory_limit() -> u64 {
 }
 
 /// The default decode threads on `cores` cores: every core but one when a model instance
-/// runs on a GPU (the GPU's forward pass needs little CPU, so decoding is the limit),
-/// half of them with CPU instances only (the instances need the other half).
+/// runs on a GPU (the GPU's forward pass needs little CPU, so decoding is the limit), one
+/// per core with CPU instances only (which take the cores they need from the decode
+/// threads as batches come due: `cores::Cores`).
 pub fn decode_threads(cores: usize, gpu_instances: bool) -> usize {
     if gpu_instances {
         cores.saturating_sub(1).max(1)
     } else {
-        (cores / 2).max(1)
+        cores.max(1)
     }
 }
 
@@ -97,8 +99,8 @@ mod tests {
     fn decode_threads_follow_where_the_instances_run() {
         for (cores, gpu, want) in [
             (1, false, 1),
-            (2, false, 1),
-            (16, false, 8),
+            (2, false, 2),
+            (16, false, 16),
             (1, true, 1),
             (2, true, 1),
             (16, true, 15),

@@ -9,6 +9,7 @@ use prometheus::IntGauge;
 use tokio::sync::oneshot;
 
 use super::{prepare, DecodeBudget, PreprocessError, PreprocessSettings, Row};
+use crate::cores::Cores;
 use crate::telemetry::Metrics;
 
 type Reply = oneshot::Sender<Result<Row, PreprocessError>>;
@@ -102,7 +103,8 @@ impl PreprocessPool {
     /// `threads` decoding threads, which together hold at most `memory` bytes of decoded
     /// images. How many images wait is bounded by their flows (the pipeline submits a few
     /// ahead per request).
-    pub fn start(threads: usize, memory: u64, metrics: Arc<Metrics>) -> Self {
+    /// Each thread decodes on a core of `cores` it holds for that image.
+    pub fn start(threads: usize, memory: u64, metrics: Arc<Metrics>, cores: Arc<Cores>) -> Self {
         let shared = Arc::new(Shared {
             queue: Mutex::default(),
             work: Condvar::new(),
@@ -114,9 +116,10 @@ impl PreprocessPool {
         ));
         for i in 0..threads.max(1) {
             let (shared, metrics, budget) = (shared.clone(), metrics.clone(), budget.clone());
+            let cores = cores.clone();
             std::thread::Builder::new()
                 .name(format!("decode/{i}"))
-                .spawn(move || worker(&shared, &metrics, &budget))
+                .spawn(move || worker(&shared, &metrics, &budget, &cores))
                 .expect("spawning a decode thread");
         }
         Self {
@@ -184,7 +187,7 @@ impl Drop for Flow {
     }
 }
 
-fn worker(shared: &Shared, metrics: &Arc<Metrics>, budget: &Arc<DecodeBudget>) {
+fn worker(shared: &Shared, metrics: &Arc<Metrics>, budget: &Arc<DecodeBudget>, cores: &Cores) {
     while let Some(Task {
         bytes,
         settings,
@@ -196,7 +199,9 @@ fn worker(shared: &Shared, metrics: &Arc<Metrics>, budget: &Arc<DecodeBudget>) {
         if reply.is_closed() {
             continue; // nobody waits for it (client went away)
         }
+        let core = cores.decode();
         let result = prepare(bytes, &settings, gpu, budget, metrics);
+        drop(core);
         // Done before its row is handed on: a caller holding the row sees it counted out.
         drop(pending);
         let _ = reply.send(result);
@@ -247,7 +252,12 @@ mod tests {
 
     #[tokio::test]
     async fn pool_decodes_and_reports_errors_per_task() {
-        let pool = PreprocessPool::start(2, 1 << 30, Arc::new(Metrics::new()));
+        let pool = PreprocessPool::start(
+            2,
+            1 << 30,
+            Arc::new(Metrics::new()),
+            Arc::new(Cores::new(2)),
+        );
         let flow = pool.flow();
         let good = flow.submit(png(4, [9, 8, 7]), settings(), false);
         let bad = flow.submit(Bytes::from_static(b"nope"), settings(), false);
@@ -259,7 +269,12 @@ mod tests {
 
     #[tokio::test]
     async fn flows_take_turns_so_a_later_single_image_is_not_queued_behind_a_large_one() {
-        let pool = PreprocessPool::start(1, 1 << 30, Arc::new(Metrics::new()));
+        let pool = PreprocessPool::start(
+            1,
+            1 << 30,
+            Arc::new(Metrics::new()),
+            Arc::new(Cores::new(1)),
+        );
         let (large, single) = (pool.flow(), pool.flow());
         // 20 images of a large upload, then one of another request (encoded beforehand).
         let (photo, small) = (noise_png(1000), png(4, [4, 5, 6]));
@@ -286,7 +301,7 @@ mod tests {
     #[tokio::test]
     async fn pending_images_are_those_waiting_or_decoding_until_done_or_their_flow_drops() {
         let metrics = Arc::new(Metrics::new());
-        let pool = PreprocessPool::start(1, 1 << 30, metrics.clone());
+        let pool = PreprocessPool::start(1, 1 << 30, metrics.clone(), Arc::new(Cores::new(1)));
         let pending = || metrics.decode_pending_images.get();
         let (large, single) = (pool.flow(), pool.flow());
         let (photo, small) = (noise_png(1000), png(4, [4, 5, 6]));

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Batch, BatchFailed, RowFailure, RowFormat, RowOutput};
+use crate::cores::Cores;
 use crate::domain::InstanceId;
-use crate::engine::{BatchInput, ComputeTimings, OutputRequest, Stages};
+use crate::engine::{BatchInput, ComputeTimings, Device, OutputRequest, Stages};
 use crate::preprocess::{decode_rows, JpegRow, PreprocessError, Row};
 use crate::telemetry::{micros, Latency, ModelSeries};
 use prometheus::IntCounter;
@@ -23,6 +24,8 @@ pub(super) struct Slot {
 pub(super) struct InstanceContext {
     pub model: String,
     pub series: ModelSeries,
+    /// The host's cores, which a CPU instance shares with the decode threads.
+    pub cores: Arc<Cores>,
     /// This instance's count of executed batches.
     pub executions: IntCounter,
     pub id: InstanceId,
@@ -161,7 +164,10 @@ fn run_batch(ctx: &InstanceContext, stages: &mut Stages, batch: Batch) -> bool {
             width: ctx.width,
         },
     };
+    // On the CPU, the cores its threads compute on, held while the batch runs.
+    let cores = (engine.device() == Device::Cpu).then(|| ctx.cores.infer(engine.threads()));
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| engine.run(input, want)));
+    drop(cores);
     match result {
         Ok(Ok(mut out)) => {
             // An engine that lost rows fails the batch rather than give a row no classes.

@@ -14,6 +14,7 @@ use super::instance::{InstanceContext, Slot};
 use super::supervisor::{Counted, Halt, Instance, Instances, Loaded};
 use super::tuning::{BatchSizeChoice, Tuned};
 use super::{BatchPolicy, ModelHandle, ModelState, ResponseCache};
+use crate::cores::Cores;
 use crate::domain::{InstanceId, ModelName, ModelVersion, WarmupSample};
 use crate::engine::{EngineError, EngineSpec, Stages};
 use crate::telemetry::Metrics;
@@ -46,6 +47,8 @@ pub struct ModelSettings {
     /// Instance threads running, of every model: each of this model's counts while its
     /// thread lives.
     pub live_instances: Arc<AtomicUsize>,
+    /// The host's cores: a CPU instance holds its threads' share while it runs a batch.
+    pub cores: Arc<Cores>,
 }
 
 /// Starts the instance threads and the batcher task (call inside a Tokio runtime).
@@ -92,6 +95,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
             ctx: InstanceContext {
                 model: name.clone(),
                 series: series.clone(),
+                cores: settings.cores.clone(),
                 executions: settings.metrics.instance_executions(&name, &id.to_string()),
                 id,
                 height: settings.engine.height,

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::{ModelTable, Registry, ServedModel};
+use crate::cores::Cores;
 use crate::domain::{InstanceId, ModelName, Precision, Runtime};
 use crate::engine::EngineSpec;
 use crate::pipeline::ImagePipeline;
@@ -35,6 +36,8 @@ pub struct BuildOptions {
     pub precision: Option<Precision>,
     /// Instance threads running now, of every model (the `--max-instances` budget).
     pub live_instances: Arc<AtomicUsize>,
+    /// The host's cores, which CPU instances share with the decode threads.
+    pub cores: Arc<Cores>,
 }
 
 impl Registry {
@@ -131,6 +134,7 @@ impl Registry {
                         fallback,
                         metrics: opts.metrics.clone(),
                         live_instances: opts.live_instances.clone(),
+                        cores: opts.cores.clone(),
                     };
                     let handle = crate::scheduler::start_model(settings, opts.factory.clone());
                     started.handles.push(handle.clone());

@@ -188,6 +188,7 @@ impl AppState {
                 settings.decode_threads,
                 settings.decode_memory,
                 metrics.clone(),
+                opts.cores.clone(),
             ),
             registry: Registry::start(scan, opts, settings.control, settings.repositories),
             drain: Default::default(),

@@ -59,6 +59,8 @@ pub struct TorchEngine {
     sizes_run: std::collections::BTreeSet<usize>,
     /// The reduced precision the forward runs in under autocast (`None`: FP32).
     autocast: Option<Kind>,
+    /// Its intra-op threads (libtorch's setting for the thread that loaded it).
+    threads: usize,
 }
 
 /// Whether this CPU runs bfloat16 convolutions and matmuls natively (AVX-512 BF16 or
@@ -155,6 +157,7 @@ impl TorchEngine {
             events,
             sizes_run: Default::default(),
             autocast,
+            threads: tch::get_num_threads().max(1) as usize,
         })
     }
 
@@ -425,6 +428,10 @@ impl Engine for TorchEngine {
             Device::Cuda(i) => super::Device::Cuda(i),
             _ => super::Device::Cpu,
         }
+    }
+
+    fn threads(&self) -> usize {
+        self.threads
     }
 }
 
