@@ -1,13 +1,36 @@
-//! Build glue: compile the project's protobuf files, and make the binary find and keep libtorch.
+//! Build glue: compile the project's protobuf files, make the binary find and keep libtorch,
+//! and record where the set-up put the runtime libraries opened at run time.
 use std::env;
 use std::path::PathBuf;
 
 fn main() {
     compile_protos();
+    record_setup_libraries();
     // Without the `torch` feature (the fuzz targets) nothing of libtorch is built or linked.
     if env::var_os("CARGO_FEATURE_TORCH").is_some() {
         link_libtorch();
         compile_shims();
+    }
+}
+
+/// Where the set-up installed the native libraries the binary opens at run time (ONNX
+/// Runtime's, nvJPEG's: `scripts/env.sh` names them while building), as compile-time
+/// variables: the binary looks there when no flag names them (`engines::setup_library`).
+/// Empty where the build's environment names none.
+fn record_setup_libraries() {
+    for (variable, recorded) in [
+        (
+            "VISIONGATE_ONNXRUNTIME_LIBRARY",
+            "VISIONGATE_SETUP_ONNXRUNTIME_LIBRARY",
+        ),
+        (
+            "VISIONGATE_NVJPEG_LIBRARY",
+            "VISIONGATE_SETUP_NVJPEG_LIBRARY",
+        ),
+    ] {
+        println!("cargo:rerun-if-env-changed={variable}");
+        let path = env::var(variable).unwrap_or_default();
+        println!("cargo:rustc-env={recorded}={path}");
     }
 }
 

@@ -25,7 +25,8 @@ pub struct EngineFlags {
     /// The ONNX Runtime shared library ONNX models run on (PyPI's onnxruntime wheel has it
     /// as onnxruntime/capi/libonnxruntime.so.VERSION; `make setup` installs it and
     /// scripts/env.sh points here). Opened when the first ONNX model loads. Unset: the
-    /// dynamic linker's search for libonnxruntime.so.
+    /// one the set-up installed when this binary was built, if it is still there, else
+    /// the dynamic linker's search for libonnxruntime.so.
     #[arg(long, env = "VISIONGATE_ONNXRUNTIME_LIBRARY")]
     pub onnxruntime_library: Option<PathBuf>,
 
@@ -53,8 +54,9 @@ pub struct EngineFlags {
 
     /// nvJPEG's shared library (PyPI's nvidia-nvjpeg wheel has it as
     /// nvidia/cu13/lib/libnvjpeg.so.13; `make setup` installs it and scripts/env.sh points
-    /// here). Opened at start where an instance runs on a GPU. Unset: the dynamic linker's
-    /// search for libnvjpeg.so.13.
+    /// here). Opened at start where an instance runs on a GPU. Unset: the one the set-up
+    /// installed when this binary was built, if it is still there, else the dynamic
+    /// linker's search for libnvjpeg.so.13.
     #[arg(long, env = "VISIONGATE_NVJPEG_LIBRARY")]
     pub nvjpeg_library: Option<PathBuf>,
 
@@ -76,13 +78,29 @@ impl EngineFlags {
         Ok(EngineSettings {
             intra_op_threads: self.intra_op_threads,
             tf32: self.tf32,
-            onnxruntime_library: self.onnxruntime_library.clone(),
+            onnxruntime_library: setup_library(
+                &self.onnxruntime_library,
+                env!("VISIONGATE_SETUP_ONNXRUNTIME_LIBRARY"),
+            ),
             gpu_decode: self.gpu_decode.then(|| GpuDecode {
-                library: self.nvjpeg_library.clone(),
+                library: setup_library(
+                    &self.nvjpeg_library,
+                    env!("VISIONGATE_SETUP_NVJPEG_LIBRARY"),
+                ),
                 memory_bytes: self.gpu_decode_memory_bytes,
             }),
         })
     }
+}
+
+/// A runtime library: the one its flag names, else the one the set-up installed when this
+/// binary was built (`installed`, recorded by build.rs) if it is still there, else `None`:
+/// the dynamic linker's search.
+fn setup_library(flag: &Option<PathBuf>, installed: &str) -> Option<PathBuf> {
+    flag.clone().or_else(|| {
+        let installed = PathBuf::from(installed);
+        installed.is_file().then_some(installed)
+    })
 }
 
 /// `--tf32`.
@@ -216,3 +234,27 @@ fn add_onnx_runtime(registry: &mut Registry, settings: &EngineSettings) {
 
 #[cfg(not(feature = "onnx"))]
 fn add_onnx_runtime(_: &mut Registry, _: &EngineSettings) {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_library_is_the_flags_else_the_setups_while_it_is_there() {
+        let dir = std::env::temp_dir().join(format!("vg-setup-library-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let installed = dir.join("libruntime.so.1");
+        let flag = Some(PathBuf::from("/opt/lib/libruntime.so"));
+        let installed_text = installed.to_str().unwrap();
+        // Not there (moved, or another machine): the dynamic linker's search.
+        assert_eq!(setup_library(&None, installed_text), None);
+        assert_eq!(setup_library(&None, ""), None);
+        std::fs::write(&installed, b"").unwrap();
+        assert_eq!(
+            setup_library(&None, installed_text),
+            Some(installed.clone())
+        );
+        assert_eq!(setup_library(&flag, installed_text), flag);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -14,6 +14,7 @@
   TorchScript pipeline serves.
 """
 
+import os
 import shutil
 
 import numpy as np
@@ -133,9 +134,12 @@ def broken_server(tmp_path_factory):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.onnx").write_bytes(data)
         (repo / name / "config.pbtxt").write_text(TINY_CONFIG.format(name=name))
+    # Neither the flag nor its variable: the binary finds ONNX Runtime where the set-up
+    # installed it (recorded when it was built), as a bare `visiongate` started by hand does.
+    env = {k: v for k, v in os.environ.items() if k != "VISIONGATE_ONNXRUNTIME_LIBRARY"}
     s = Server(
         "--model-repository", str(repo), "--model-control-mode=explicit", "--load-model=good",
-        "--repository-control-key", f"{ADMIN_HEADER}={ADMIN_KEY}", repository=False,
+        "--repository-control-key", f"{ADMIN_HEADER}={ADMIN_KEY}", repository=False, env=env,
     )
     s.repo = repo
     yield s
@@ -148,6 +152,13 @@ ADMIN_HEADER, ADMIN_KEY = "x-admin-key", "onnx-test-key"
 def tiny_infer(server, data, datatype="FP32", shape=None):
     body = {"inputs": [{"name": "input", "datatype": datatype, "shape": shape or [1, 3, 8, 8], "data": data}]}
     return requests.post(server.base + "/v2/models/good/infer", json=body, timeout=30)
+
+
+def test_onnx_runtime_is_found_where_the_setup_installed_it_without_a_flag(broken_server):
+    # broken_server runs without --onnxruntime-library and its variable.
+    ok = tiny_infer(broken_server, [1.0] * 192)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["outputs"][0]["data"] == pytest.approx([1.2, 1.5, 1.8, 2.1], abs=1e-5)
 
 
 @pytest.mark.parametrize(
