@@ -36,8 +36,8 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 
 # Runtime stage: no compiler, no Python; the stripped binary, the model repository and
 # the libraries the binary loads (libtorch, its CUDA libraries, cuDNN's kernel libraries),
-# at the paths the binary and libtorch find each other by (their RUNPATHs), and ONNX
-# Runtime's library (CPU), which the binary opens when an ONNX model loads, and nvJPEG's,
+# at the paths the binary and libtorch find each other by (their RUNPATHs), ONNX Runtime's
+# library (CPU) and OpenVINO's, which the binary opens when such a model loads, and nvJPEG's,
 # which it opens at start where an instance runs on a GPU. The NVIDIA driver comes from the
 # host (NVIDIA Container Toolkit, asked for by the compose file's GPU reservation); its
 # `video` capability is the GPU's JPEG decoder (without it nvJPEG's CUDA decoder runs).
@@ -53,6 +53,7 @@ COPY --from=build /stage/visiongate /usr/local/bin/visiongate
 RUN ln -s visiongate /usr/local/bin/tritonserver
 ENV VISIONGATE_MODEL_REPOSITORY=/models \
     VISIONGATE_ONNXRUNTIME_LIBRARY=/opt/visiongate/lib/libonnxruntime.so \
+    VISIONGATE_OPENVINO_LIBRARY=/opt/visiongate/lib/openvino/libopenvino_c.so.2641 \
     VISIONGATE_NVJPEG_LIBRARY=/opt/visiongate/lib/libnvjpeg.so.13 \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility,video

@@ -14,7 +14,7 @@ fn main() {
 }
 
 /// Where the set-up installed the native libraries the binary opens at run time (ONNX
-/// Runtime's, nvJPEG's: `scripts/env.sh` names them while building), as compile-time
+/// Runtime's, OpenVINO's, nvJPEG's: `scripts/env.sh` names them while building), as compile-time
 /// variables: the binary looks there when no flag names them (`engines::setup_library`).
 /// Empty where the build's environment names none.
 fn record_setup_libraries() {
@@ -22,6 +22,10 @@ fn record_setup_libraries() {
         (
             "VISIONGATE_ONNXRUNTIME_LIBRARY",
             "VISIONGATE_SETUP_ONNXRUNTIME_LIBRARY",
+        ),
+        (
+            "VISIONGATE_OPENVINO_LIBRARY",
+            "VISIONGATE_SETUP_OPENVINO_LIBRARY",
         ),
         (
             "VISIONGATE_NVJPEG_LIBRARY",

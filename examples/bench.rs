@@ -24,9 +24,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use visiongate::domain::{OnnxOptions, Precision, Runtime};
+use visiongate::domain::{OnnxOptions, OpenVinoOptions, Precision, Runtime};
 use visiongate::engine::{
-    cpu_runs_bf16, BatchInput, Engine, EngineSpec, OnnxEngine, OutputRequest, TorchEngine,
+    cpu_runs_bf16, BatchInput, Engine, EngineSpec, OnnxEngine, OpenVinoEngine, OutputRequest,
+    TorchEngine,
 };
 use visiongate::preprocess::{decode_into, DecodeBudget, PreprocessSettings};
 
@@ -57,12 +58,14 @@ impl Variant {
             Runtime::TorchScript => "torchscript",
             Runtime::TorchAoti => "pt2",
             Runtime::Onnx(_) => "onnx",
+            Runtime::OpenVino(_) => "openvino",
         };
         format!("{format} {}", self.precision)
     }
 
     /// The variants this CPU runs: TorchScript first (the baseline), in FP32 and, where the
-    /// CPU runs it natively, bf16; then ONNX and the torch.export package.
+    /// CPU runs it natively, bf16; then ONNX, OpenVINO (FP32, and bf16 where the CPU runs
+    /// it) and the torch.export package.
     fn all() -> Vec<Variant> {
         let torch = |precision| Variant {
             runtime: Runtime::TorchScript,
@@ -76,6 +79,14 @@ impl Variant {
             runtime: Runtime::Onnx(OnnxOptions::default()),
             precision: Precision::Fp32,
         });
+        let openvino = |precision| Variant {
+            runtime: Runtime::OpenVino(OpenVinoOptions::default()),
+            precision,
+        };
+        all.push(openvino(Precision::Fp32));
+        if cpu_runs_bf16() {
+            all.push(openvino(Precision::Bf16));
+        }
         all.push(Variant {
             runtime: Runtime::TorchAoti,
             precision: Precision::Fp32,
@@ -97,23 +108,30 @@ impl Variant {
                     OnnxEngine::load(&spec, options, None, threads, library.as_deref()).unwrap(),
                 )
             }
+            Runtime::OpenVino(options) => {
+                let library = std::env::var_os("VISIONGATE_OPENVINO_LIBRARY").map(PathBuf::from);
+                Box::new(OpenVinoEngine::load(&spec, options, threads, library.as_deref()).unwrap())
+            }
         }
     }
 
-    /// The server's arguments: ONNX or the package on a copy of the bundled repository
-    /// whose classifier's platform is switched (the one line a user changes).
+    /// The server's arguments: ONNX, OpenVINO or the package on a copy of the bundled
+    /// repository whose classifier's platform is switched (the one line a user changes;
+    /// OpenVINO's bf16 is its config's `HINT_BF16`, which `--precision` does not override).
     fn server_args(self) -> Vec<String> {
         let mut args = vec![format!("--precision={}", self.precision)];
-        let platform = match self.runtime {
+        let (tag, line) = match self.runtime {
             Runtime::TorchScript => return args,
-            Runtime::Onnx(_) => "onnxruntime_onnx",
-            Runtime::TorchAoti => "torch_aoti",
+            Runtime::Onnx(_) => ("onnx", "platform: \"onnxruntime_onnx\""),
+            Runtime::TorchAoti => ("pt2", "platform: \"torch_aoti\""),
+            Runtime::OpenVino(_) if self.precision == Precision::Bf16 => (
+                "openvino-bf16",
+                "backend: \"openvino\"\nparameters { key: \"HINT_BF16\" value: { string_value: \"yes\" } }",
+            ),
+            Runtime::OpenVino(_) => ("openvino", "backend: \"openvino\""),
         };
-        let repo = repository_copy(platform, |text| {
-            text.replace(
-                "platform: \"pytorch_libtorch\"",
-                &format!("platform: \"{platform}\""),
-            )
+        let repo = repository_copy(tag, |text| {
+            text.replace("platform: \"pytorch_libtorch\"", line)
         });
         args.extend(["--model-repository".into(), repo.display().to_string()]);
         args
@@ -1018,7 +1036,13 @@ fn repository_copy(tag: &str, edit: impl Fn(String) -> String) -> PathBuf {
             )
             .unwrap();
             // Linked, not symlinked: a model reads only files inside its directory.
-            for file in ["model.pt", "model.onnx", "model.pt2"] {
+            for file in [
+                "model.pt",
+                "model.onnx",
+                "model.xml",
+                "model.bin",
+                "model.pt2",
+            ] {
                 let (from, to) = (
                     src.join(model).join("1").join(file),
                     dst.join(model).join("1").join(file),

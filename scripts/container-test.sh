@@ -302,16 +302,17 @@ start=$(date +%s)
 grep '^kube-play:' "$ART/kube-play.log" | tail -3
 timing "kubernetes pod (podman kube play, a stop during an upload)" "$(since "$start")"
 
-# --- the bundled classifier's other exports: ONNX on the image's ONNX Runtime, the
-# torch.export package on its libtorch ----------------------------------------------------------
+# --- the bundled classifier's other exports: ONNX on the image's ONNX Runtime, OpenVINO IR on
+# its OpenVINO, the torch.export package on its libtorch (the config line each takes) ------------
 photo=tests/fixtures/photos/small/sk_chelsea.jpg
-for platform in onnxruntime_onnx torch_aoti; do
-  say "the bundled pipeline with its classifier switched to platform $platform"
+for line in 'platform: "onnxruntime_onnx"' 'backend: "openvino"' 'platform: "torch_aoti"'; do
+  platform=$(cut -d'"' -f2 <<<"$line")
+  say "the bundled pipeline with its classifier switched to $line"
   start=$(date +%s)
   answer=$(podman run --rm --entrypoint bash -v "$VG_ROOT/$photo:/photo.jpg:ro" "$IMAGE" -c '
     set -e
     cp -r /models /tmp/models
-    sed -i "s/platform: \"pytorch_libtorch\"/platform: \"'"$platform"'\"/" /tmp/models/classifier/config.pbtxt
+    sed -i "s/platform: \"pytorch_libtorch\"/'"${line//\"/\\\"}"'/" /tmp/models/classifier/config.pbtxt
     visiongate --model-repository /tmp/models > /tmp/log 2>&1 &
     for _ in $(seq 120); do curl -fsS http://127.0.0.1:8000/v2/health/ready > /dev/null 2>&1 && break; sleep 1; done
     curl -fsS http://127.0.0.1:8000/v2/models/classifier || { tail -20 /tmp/log; exit 1; }

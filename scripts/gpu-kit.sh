@@ -98,7 +98,7 @@ strip --strip-all -o "$KIT_HOME/visiongate" "$KIT_HOME/target/release/visiongate
 xz -T0 -6 -c "$KIT_HOME/visiongate" > "$KIT/visiongate.xz"
 xz -T0 -6 -c "$site/nvidia/cu13/lib/libnvjpeg.so.13" > "$KIT/lib/libnvjpeg.so.13.xz"
 # TorchScript only: the kit travels within 64 MiB, and the GPU host has no ONNX Runtime.
-tar -C models --exclude='model.pt' --exclude='model.onnx' --exclude='model.pt2' --exclude='*.stamp' --exclude='*.tmp' -c . \
+tar -C models --exclude='model.pt' --exclude='model.onnx' --exclude='model.pt2' --exclude='model.xml' --exclude='model.bin' --exclude='*.stamp' --exclude='*.tmp' -c . \
   | tar -C "$KIT/models" -x
 "$py" scripts/export_model.py --repo "$KIT/models" --formats model.pt > /dev/null
 rm -f "$KIT"/models/*/*/*.stamp

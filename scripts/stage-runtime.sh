@@ -2,8 +2,8 @@
 # Gathers what the runtime image carries into DEST (the Dockerfile's build stage runs it
 # after setup.sh): the stripped binary, the model repository with its exported model, and
 # the libraries the binary loads from the venv, kept at their absolute paths under
-# DEST/opt so the binary's and libtorch's RUNPATHs still find them, and ONNX Runtime's and
-# nvJPEG's.
+# DEST/opt so the binary's and libtorch's RUNPATHs still find them, and ONNX Runtime's,
+# OpenVINO's and nvJPEG's.
 #   scripts/stage-runtime.sh DEST
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -38,6 +38,21 @@ echo "stage-runtime: $(printf '%s\n' $libs $extra | sort -u | wc -l) libraries, 
 mkdir -p "$dest/opt/visiongate/lib"
 cp "$VISIONGATE_ONNXRUNTIME_LIBRARY" "$dest/opt/visiongate/lib/libonnxruntime.so"
 echo "stage-runtime: ONNX Runtime $(basename "$VISIONGATE_ONNXRUNTIME_LIBRARY")"
+
+# OpenVINO (opened by the binary when a model of backend "openvino" loads): the wheel's C
+# API with what it loads for IR and ONNX models on the CPU (the core, the CPU plugin, the
+# IR and ONNX frontends, oneTBB with its NUMA binding and hwloc), in a directory of their
+# own, as the wheel keeps them (they find each other there).
+[[ -f ${VISIONGATE_OPENVINO_LIBRARY:-} ]] \
+  || { echo "stage-runtime: no OpenVINO library in the venv (scripts/requirements.txt)" >&2; exit 1; }
+ov_libs=$(dirname "$VISIONGATE_OPENVINO_LIBRARY")
+mkdir -p "$dest/opt/visiongate/lib/openvino"
+for lib in libopenvino_c.so.* libopenvino.so.* libopenvino_intel_cpu_plugin.so \
+    libopenvino_ir_frontend.so.* libopenvino_onnx_frontend.so.* libtbb.so.* libtbbbind_2_5.so.* \
+    libtbbmalloc.so.* libhwloc.so.*; do
+  cp -a "$ov_libs"/$lib "$dest/opt/visiongate/lib/openvino/"
+done
+echo "stage-runtime: OpenVINO $(basename "$VISIONGATE_OPENVINO_LIBRARY"), $(du -sh "$dest/opt/visiongate/lib/openvino" | cut -f1)"
 
 # nvJPEG (opened at start where an instance runs on a GPU), self-contained likewise.
 [[ -f ${VISIONGATE_NVJPEG_LIBRARY:-} ]] \

@@ -206,6 +206,10 @@ pub enum Runtime {
     /// `onnxruntime_onnx`: an ONNX file (`model.onnx`) on ONNX Runtime, with the session
     /// options of Triton's onnxruntime backend.
     Onnx(OnnxOptions),
+    /// backend `openvino`: OpenVINO IR (`model.xml` with its `model.bin`), or an ONNX file
+    /// named by `default_model_filename`, on OpenVINO's CPU plugin, with the parameters of
+    /// Triton's openvino backend.
+    OpenVino(OpenVinoOptions),
 }
 
 impl Runtime {
@@ -215,6 +219,7 @@ impl Runtime {
             Runtime::TorchScript => "model.pt",
             Runtime::TorchAoti => "model.pt2",
             Runtime::Onnx(_) => "model.onnx",
+            Runtime::OpenVino(_) => "model.xml",
         }
     }
 
@@ -224,6 +229,7 @@ impl Runtime {
             Runtime::TorchScript => "a TorchScript file",
             Runtime::TorchAoti => "a torch.export package (AOTInductor)",
             Runtime::Onnx(_) => "an ONNX file",
+            Runtime::OpenVino(_) => "an OpenVINO model (IR .xml with its .bin, or ONNX)",
         }
     }
 }
@@ -241,6 +247,48 @@ pub struct OnnxOptions {
     pub parallel: bool,
     /// `optimization { graph { level } }`.
     pub graph_level: GraphLevel,
+}
+
+/// How OpenVINO compiles a model for the CPU, from the parameters of Triton's openvino
+/// backend; each `None` leaves OpenVINO's own choice, except the threads (visiongate's
+/// `--intra-op-threads` where unset, as for the other runtimes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OpenVinoOptions {
+    /// `PERFORMANCE_HINT`.
+    pub performance_hint: Option<PerformanceHint>,
+    /// `NUM_STREAMS`.
+    pub streams: Option<Streams>,
+    /// `INFERENCE_NUM_THREADS` (0: OpenVINO's default, a thread per core).
+    pub inference_threads: Option<usize>,
+    /// `COMPILATION_NUM_THREADS`.
+    pub compilation_threads: Option<usize>,
+}
+
+/// OpenVINO's `PERFORMANCE_HINT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PerformanceHint {
+    Latency,
+    Throughput,
+    CumulativeThroughput,
+}
+
+impl PerformanceHint {
+    /// As OpenVINO spells the property's value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PerformanceHint::Latency => "LATENCY",
+            PerformanceHint::Throughput => "THROUGHPUT",
+            PerformanceHint::CumulativeThroughput => "CUMULATIVE_THROUGHPUT",
+        }
+    }
+}
+
+/// OpenVINO's `NUM_STREAMS`: a count, or its `AUTO` or `NUMA` choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Streams {
+    Auto,
+    Numa,
+    Count(u32),
 }
 
 /// ONNX Runtime's graph optimizations (Triton's `optimization.graph.level`: -1 basic, 1

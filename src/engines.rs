@@ -15,8 +15,9 @@ use crate::scheduler::EngineFactory;
 /// How the engines run.
 #[derive(clap::Args, Debug, Clone)]
 pub struct EngineFlags {
-    /// Intra-op threads per model instance (libtorch's, and ONNX Runtime's where a model's
-    /// config sets no intra_op_thread_count). 1 is best when there are as many CPU
+    /// Intra-op threads per model instance (libtorch's, ONNX Runtime's where a model's
+    /// config sets no intra_op_thread_count, OpenVINO's where it sets no
+    /// INFERENCE_NUM_THREADS). 1 is best when there are as many CPU
     /// instances as cores: more threads per instance spin-wait against each other. GPU
     /// instances keep to it too, leaving the cores to decoding.
     #[arg(long, env = "VISIONGATE_INTRA_OP_THREADS", default_value_t = 1)]
@@ -29,6 +30,14 @@ pub struct EngineFlags {
     /// the dynamic linker's search for libonnxruntime.so.
     #[arg(long, env = "VISIONGATE_ONNXRUNTIME_LIBRARY")]
     pub onnxruntime_library: Option<PathBuf>,
+
+    /// OpenVINO's C API library, which models of backend "openvino" run on (PyPI's openvino
+    /// wheel has it as openvino/libs/libopenvino_c.so.2641, its CPU plugin beside it; `make
+    /// setup` installs it and scripts/env.sh points here). Opened when the first OpenVINO
+    /// model loads. Unset: the one the set-up installed when this binary was built, if it
+    /// is still there, else the dynamic linker's search for libopenvino_c.so.2641.
+    #[arg(long, env = "VISIONGATE_OPENVINO_LIBRARY")]
+    pub openvino_library: Option<PathBuf>,
 
     /// TF32 on NVIDIA GPUs that have it (Ampere and later): FP32 convolutions and matmuls
     /// with a 10-bit mantissa, several times faster. `default` keeps libtorch's choice (on
@@ -82,6 +91,10 @@ impl EngineFlags {
                 &self.onnxruntime_library,
                 env!("VISIONGATE_SETUP_ONNXRUNTIME_LIBRARY"),
             ),
+            openvino_library: setup_library(
+                &self.openvino_library,
+                env!("VISIONGATE_SETUP_OPENVINO_LIBRARY"),
+            ),
             gpu_decode: self.gpu_decode.then(|| GpuDecode {
                 library: setup_library(
                     &self.nvjpeg_library,
@@ -119,6 +132,8 @@ pub struct EngineSettings {
     pub tf32: Tf32,
     /// The ONNX Runtime library (`None`: the dynamic linker's search).
     pub onnxruntime_library: Option<PathBuf>,
+    /// OpenVINO's C API library (`None`: the dynamic linker's search).
+    pub openvino_library: Option<PathBuf>,
     /// JPEG decode on GPU instances (`None`: turned off).
     pub gpu_decode: Option<GpuDecode>,
 }
@@ -136,7 +151,8 @@ pub struct GpuDecode {
 #[derive(Clone)]
 pub enum EngineChoice {
     /// The runtime each model's platform names, of those this build has: libtorch for
-    /// TorchScript and torch.export packages, ONNX Runtime for ONNX.
+    /// TorchScript and torch.export packages, ONNX Runtime for ONNX, OpenVINO for backend
+    /// "openvino".
     Runtimes,
     /// The deterministic fake (tests): `num_classes` classes, `latency` per batch, and the
     /// faults a test orders.
@@ -181,6 +197,7 @@ fn runtimes(settings: EngineSettings) -> anyhow::Result<Engines> {
     let mut registry = Registry::default();
     let (gpu_count, unusable_gpus) = add_libtorch(&mut registry, &settings)?;
     add_onnx_runtime(&mut registry, &settings);
+    add_openvino(&mut registry, &settings);
     tracing::info!(runtimes = ?registry.names(), "model runtimes of this build");
     let registry = Arc::new(registry);
     Ok(Engines {
@@ -234,6 +251,20 @@ fn add_onnx_runtime(registry: &mut Registry, settings: &EngineSettings) {
 
 #[cfg(not(feature = "onnx"))]
 fn add_onnx_runtime(_: &mut Registry, _: &EngineSettings) {}
+
+#[cfg(feature = "openvino")]
+fn add_openvino(registry: &mut Registry, settings: &EngineSettings) {
+    registry.add(
+        crate::engine::registry::RuntimeKind::OpenVino,
+        crate::engine::OpenVino {
+            library: settings.openvino_library.clone(),
+            threads: settings.intra_op_threads,
+        },
+    );
+}
+
+#[cfg(not(feature = "openvino"))]
+fn add_openvino(_: &mut Registry, _: &EngineSettings) {}
 
 #[cfg(test)]
 mod tests {

@@ -4,6 +4,7 @@
 pub mod config;
 pub mod cores;
 pub mod domain;
+pub mod dynlib;
 pub mod engine;
 pub mod engines;
 pub mod error;

@@ -6,13 +6,17 @@ mod fake;
 pub mod libtorch;
 #[cfg(feature = "onnx")]
 mod onnx;
+#[cfg(feature = "openvino")]
+mod openvino;
 pub mod registry;
 
 pub use fake::{FakeEngine, FakeFaults, Gate};
 #[cfg(feature = "torch")]
-pub use libtorch::{cpu_runs_bf16, cuda_device_count, TorchEngine};
+pub use libtorch::{cuda_device_count, TorchEngine};
 #[cfg(feature = "onnx")]
 pub use onnx::{OnnxEngine, OnnxRuntime, ONNXRUNTIME_VERSION};
+#[cfg(feature = "openvino")]
+pub use openvino::{OpenVino, OpenVinoEngine, OPENVINO_VERSION};
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -163,6 +167,21 @@ impl Stages {
     }
 }
 
+/// Whether this CPU runs bfloat16 convolutions and matmuls natively (AVX-512 BF16 or
+/// AMX); elsewhere a runtime would emulate them, slower than FP32.
+pub fn cpu_runs_bf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512bf16")
+            || std::fs::read_to_string("/proc/cpuinfo")
+                .is_ok_and(|info| info.split_whitespace().any(|flag| flag == "amx_bf16"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Where an engine runs. Its batch-size timing follows it: on a CPU the cost per image
 /// grows with the batch, on a GPU it falls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -228,14 +247,14 @@ impl EngineSpec {
 /// the runtime's message to its first line, the file and its model directory named from the
 /// repository on (`<model>/<version>/<file>`, `<model>`), never by the host's paths (the
 /// temporary directory is said as `$TMPDIR`).
-#[cfg(any(feature = "torch", feature = "onnx"))]
+#[cfg(any(feature = "torch", feature = "onnx", feature = "openvino"))]
 pub(crate) struct FileErrors {
     file: String,
     dir: Option<(String, String)>,
     shown: String,
 }
 
-#[cfg(any(feature = "torch", feature = "onnx"))]
+#[cfg(any(feature = "torch", feature = "onnx", feature = "openvino"))]
 impl FileErrors {
     pub fn new(path: &std::path::Path) -> Self {
         let dir = path.parent().and_then(std::path::Path::parent).map(|dir| {
@@ -283,6 +302,89 @@ pub(crate) fn repository_relative(path: &std::path::Path) -> String {
         .map(|c| c.as_os_str().to_string_lossy())
         .collect::<Vec<_>>()
         .join("/")
+}
+
+/// A runtime library opened at run time, once for the whole process (`cell` keeps what the
+/// first call made): `library`, made absolute so that the file checked is the file opened,
+/// or `default` for the dynamic linker to find; `open` makes the runtime of it. Its error,
+/// which reaches clients, names no path of the server's and says how to install `runtime`
+/// (`install`): the log has the details.
+#[cfg(any(feature = "onnx", feature = "openvino"))]
+pub(crate) fn open_runtime_once<T>(
+    cell: &'static std::sync::OnceLock<Result<T, String>>,
+    library: Option<&std::path::Path>,
+    default: &str,
+    runtime: &str,
+    install: &str,
+    open: impl FnOnce(&std::path::Path) -> Result<T, String>,
+) -> Result<&'static T, String> {
+    cell.get_or_init(|| {
+        let path = match library {
+            Some(path) => std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()),
+            None => PathBuf::from(default),
+        };
+        let why = |e: String| {
+            tracing::error!(library = %path.display(), "{runtime} could not be opened: {e}");
+            format!("{runtime} could not be opened (the server's log says why): {install}")
+        };
+        // A path that names no file is said plainly (a failed open of a bare name reads
+        // the same whichever directories were searched).
+        if library.is_some() && !path.is_file() {
+            return Err(why("not a file".into()));
+        }
+        open(&path).map_err(why)
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// A batch's f32 NCHW rows on the host, for runtimes that take their input there: tensors
+/// as they come, images normalized into `staging` (reused across batches).
+#[cfg(any(feature = "onnx", feature = "openvino"))]
+pub(crate) fn host_rows<'a>(input: BatchInput<'a>, staging: &'a mut Vec<f32>) -> &'a [f32] {
+    match input {
+        BatchInput::Images {
+            data,
+            height,
+            width,
+            normalize,
+        } => {
+            normalize_into(data, height, width, normalize, staging);
+            staging
+        }
+        BatchInput::Tensors { data, .. } => data,
+    }
+}
+
+/// What `want` asks of a batch's `[rows, num_classes]` logits on the host (`shape` as the
+/// runtime gave it, checked first): each row's softmax top-k, and the logits themselves.
+#[cfg(any(feature = "onnx", feature = "openvino"))]
+pub(crate) fn host_output(
+    shape: &[i64],
+    logits: &[f32],
+    rows: usize,
+    num_classes: usize,
+    want: OutputRequest,
+) -> Result<EngineOutput, String> {
+    if shape != [rows as i64, num_classes as i64] {
+        return Err(format!(
+            "the model returned shape {shape:?} for {rows} rows; expected [{rows}, {num_classes}]"
+        ));
+    }
+    let mut out = EngineOutput {
+        num_classes,
+        ..Default::default()
+    };
+    if want.top_k > 0 {
+        out.top_k = logits
+            .chunks_exact(num_classes)
+            .map(|row| crate::domain::classify(row, want.top_k))
+            .collect();
+    }
+    if want.logits {
+        out.logits = Some(logits.to_vec());
+    }
+    Ok(out)
 }
 
 /// `rows` u8 NHWC RGB images of `height` x `width`, normalized on the host into `out`

@@ -13,10 +13,10 @@ use ort::value::{TensorElementType, TensorRef, ValueType};
 
 use super::registry::Backend;
 use super::{
-    normalize_into, repository_relative, BatchInput, ComputeTimings, Engine, EngineError,
-    EngineOutput, EngineSpec, FileErrors, OutputRequest, Stages,
+    host_output, host_rows, open_runtime_once, repository_relative, BatchInput, ComputeTimings,
+    Engine, EngineError, EngineOutput, EngineSpec, FileErrors, OutputRequest, Stages,
 };
-use crate::domain::{classify, GraphLevel, InstanceId, OnnxOptions, Precision, Runtime};
+use crate::domain::{GraphLevel, InstanceId, OnnxOptions, Precision, Runtime};
 
 /// The ONNX Runtime version the set-up installs and this build is made for (the `ort`
 /// crate's API level): older libraries are refused as they load.
@@ -26,43 +26,31 @@ pub const ONNXRUNTIME_VERSION: &str = "1.31.1";
 static RUNTIME: OnceLock<Result<Environment, String>> = OnceLock::new();
 
 /// Opens ONNX Runtime from `library` (the first call decides, for the whole process):
-/// `None` looks for `libonnxruntime.so` where the dynamic linker looks. The error, which
-/// reaches clients, names no path of the server's: the log has the details.
+/// `None` looks for `libonnxruntime.so` where the dynamic linker looks.
 fn runtime(library: Option<&Path>) -> Result<&'static Environment, String> {
-    RUNTIME
-        .get_or_init(|| {
-            // Absolute, so the file checked is the file opened (ort would try a relative
-            // path beside the executable first).
-            let path = match library {
-                Some(path) => std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()),
-                None => PathBuf::from("libonnxruntime.so"),
-            };
-            let why = |e: String| {
-                tracing::error!(library = %path.display(), "ONNX Runtime could not be opened: {e}");
-                format!(
-                    "ONNX Runtime could not be opened (the server's log says why): install PyPI's \
-                     onnxruntime=={ONNXRUNTIME_VERSION} (`make setup` does) and pass its \
-                     onnxruntime/capi/libonnxruntime.so.{ONNXRUNTIME_VERSION} to \
-                     --onnxruntime-library (or VISIONGATE_ONNXRUNTIME_LIBRARY)"
-                )
-            };
-            // A path that names no file is said plainly (a failed open of a bare name
-            // reads the same whichever directories were searched).
-            if library.is_some() && !path.is_file() {
-                return Err(why("not a file".into()));
-            }
-            let env = ort::init_from(&path).map_err(|e| why(e.to_string()))?;
+    let install = format!(
+        "install PyPI's onnxruntime=={ONNXRUNTIME_VERSION} (`make setup` does) and pass its \
+         onnxruntime/capi/libonnxruntime.so.{ONNXRUNTIME_VERSION} to --onnxruntime-library \
+         (or VISIONGATE_ONNXRUNTIME_LIBRARY)"
+    );
+    open_runtime_once(
+        &RUNTIME,
+        library,
+        "libonnxruntime.so",
+        "ONNX Runtime",
+        &install,
+        |path| {
+            let env = ort::init_from(path).map_err(|e| e.to_string())?;
             let env = env
                 .with_name("visiongate")
                 .build()
-                .map_err(|e| why(e.to_string()))?;
+                .map_err(|e| e.to_string())?;
             // Its own INFO lines (every session's options) are a debugging aid: warnings up.
             env.set_log_level(ort::logging::LogLevel::Warning);
             tracing::info!(library = %path.display(), build = ort::info(), "ONNX Runtime opened");
             Ok(env)
-        })
-        .as_ref()
-        .map_err(Clone::clone)
+        },
+    )
 }
 
 /// ONNX Runtime as a runtime of this build: its library is opened by the first ONNX model
@@ -164,18 +152,7 @@ impl OnnxEngine {
     ) -> Result<EngineOutput, String> {
         let t0 = Instant::now();
         let rows = input.rows();
-        let data: &[f32] = match input {
-            BatchInput::Images {
-                data,
-                height,
-                width,
-                normalize,
-            } => {
-                normalize_into(data, height, width, normalize, &mut self.staging);
-                &self.staging
-            }
-            BatchInput::Tensors { data, .. } => data,
-        };
+        let data = host_rows(input, &mut self.staging);
         let shape = [rows, 3, self.height, self.width];
         let tensor = TensorRef::from_array_view((shape, data)).map_err(|e| e.to_string())?;
         let t1 = Instant::now();
@@ -193,25 +170,7 @@ impl OnnxEngine {
         let (shape, logits) = output
             .try_extract_tensor::<f32>()
             .map_err(|e| e.to_string())?;
-        if **shape != [rows as i64, self.num_classes as i64] {
-            return Err(format!(
-                "the model returned shape {:?} for {rows} rows; expected [{rows}, {}]",
-                &**shape, self.num_classes
-            ));
-        }
-        let mut out = EngineOutput {
-            num_classes: self.num_classes,
-            ..Default::default()
-        };
-        if want.top_k > 0 {
-            out.top_k = logits
-                .chunks_exact(self.num_classes)
-                .map(|row| classify(row, want.top_k))
-                .collect();
-        }
-        if want.logits {
-            out.logits = Some(logits.to_vec());
-        }
+        let mut out = host_output(shape, logits, rows, self.num_classes, want)?;
         out.timings = ComputeTimings {
             input: t1 - t0,
             infer: t2 - t1,

@@ -1,6 +1,7 @@
 //! The runtimes this build has, by the runtime a model's platform (or backend) names. Each
 //! runtime is a module of `engine/` under its own Cargo feature exposing one [`Backend`]
-//! (`libtorch`: TorchScript and torch.export packages; `onnx`: ONNX Runtime); a model whose
+//! (`libtorch`: TorchScript and torch.export packages; `onnx`: ONNX Runtime; `openvino`:
+//! OpenVINO); a model whose
 //! runtime the build lacks fails its own load, naming the runtime and the feature.
 use std::collections::HashMap;
 
@@ -19,6 +20,7 @@ pub trait Backend: Send + Sync {
 pub enum RuntimeKind {
     Libtorch,
     OnnxRuntime,
+    OpenVino,
 }
 
 impl RuntimeKind {
@@ -27,6 +29,7 @@ impl RuntimeKind {
         match runtime {
             Runtime::TorchScript | Runtime::TorchAoti => RuntimeKind::Libtorch,
             Runtime::Onnx(_) => RuntimeKind::OnnxRuntime,
+            Runtime::OpenVino(_) => RuntimeKind::OpenVino,
         }
     }
 
@@ -34,6 +37,7 @@ impl RuntimeKind {
         match self {
             RuntimeKind::Libtorch => "libtorch",
             RuntimeKind::OnnxRuntime => "ONNX Runtime",
+            RuntimeKind::OpenVino => "OpenVINO",
         }
     }
 
@@ -42,6 +46,7 @@ impl RuntimeKind {
         match self {
             RuntimeKind::Libtorch => "torch",
             RuntimeKind::OnnxRuntime => "onnx",
+            RuntimeKind::OpenVino => "openvino",
         }
     }
 }

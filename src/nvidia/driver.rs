@@ -7,7 +7,7 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::marker::PhantomData;
 use std::sync::OnceLock;
 
-use super::{Library, LoadError};
+use crate::dynlib::{Library, LoadError};
 
 /// `CUDA_ERROR_NO_DEVICE`: the driver runs and sees no (visible) GPU.
 pub const ERROR_NO_DEVICE: i32 = 100;

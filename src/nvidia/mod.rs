@@ -1,18 +1,14 @@
-//! NVIDIA's libraries, opened at run time so that the binary needs none of them to start:
-//! one loader for all ([`Library`]: a library opened once and kept, its symbols taken as
-//! typed function pointers, errors naming the library and the symbol), the CUDA driver API
+//! NVIDIA's libraries, opened at run time through the crate's loader (`crate::dynlib`) so
+//! that the binary needs none of them to start: the CUDA driver API
 //! (`driver.rs`: `libcuda.so.1` opened once for the process, one typed [`DriverError`];
 //! device count, primary contexts, CUDA IPC memory), NVIDIA's management library
 //! (`nvml.rs`) and nvJPEG (`nvjpeg.rs`). What is libtorch's own (its CUDA half, its CUDA
 //! runtime's symbols) stays with the libtorch engine, opened through the same loader.
-mod loader;
-
 pub mod driver;
 pub mod nvjpeg;
 pub mod nvml;
 
 pub use driver::{DriverError, DriverState};
-pub use loader::{loaded, Library, LoadError};
 pub use nvml::Nvml;
 
 /// A CUDA version as CUDA encodes it (`1000 * major + 10 * minor`), as `major.minor`.

@@ -11,7 +11,7 @@ use std::ffi::{c_int, c_uint, c_void};
 use std::path::Path;
 use std::sync::OnceLock;
 
-use super::{Library as Loaded, LoadError};
+use crate::dynlib::{Library as Loaded, LoadError};
 
 type Status = c_int;
 type Handle = *mut c_void;

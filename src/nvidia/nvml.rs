@@ -4,7 +4,8 @@
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::sync::OnceLock;
 
-use super::{version_text, Library, LoadError};
+use super::version_text;
+use crate::dynlib::{Library, LoadError};
 use crate::telemetry::{GpuProbe, GpuSample};
 
 type Device = *mut c_void;

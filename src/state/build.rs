@@ -161,12 +161,14 @@ impl Registry {
 }
 
 /// The precision a classifier runs in: `--precision` over its config's, for the runtime
-/// that offers reduced precisions (libtorch's TorchScript); an ONNX model or a torch.export
-/// package keeps its config's (FP32 unless it asks otherwise, which fails its load), the
-/// flag logged as not applied to it.
+/// that offers reduced precisions (libtorch's TorchScript); an ONNX or OpenVINO model or a
+/// torch.export package keeps its config's (FP32 unless it asks otherwise), the flag logged
+/// as not applied to it.
 fn precision(spec: &ClassifierSpec, flag: Option<Precision>) -> Precision {
     match (spec.runtime, flag) {
-        (Runtime::Onnx(_) | Runtime::TorchAoti, Some(p)) if p != spec.precision => {
+        (Runtime::Onnx(_) | Runtime::OpenVino(_) | Runtime::TorchAoti, Some(p))
+            if p != spec.precision =>
+        {
             tracing::warn!(
                 "--precision={p} applies to TorchScript models only: {} runs in {}",
                 spec.runtime.format(),

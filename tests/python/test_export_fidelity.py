@@ -1,8 +1,8 @@
-"""Each export of the bundled classifier the set-up writes (ONNX, the torch.export package)
-against the Python reference pipeline (PIL + torchvision + the TorchScript model) on the
+"""Each export of the bundled classifier the set-up writes (ONNX, OpenVINO IR, the
+torch.export package) against the Python reference pipeline (PIL + torchvision + the TorchScript model) on the
 283 photos: top-1 with near-ties excused at least 99%, and within 1e-3 of this server's
 TorchScript scores for the same pixels. Each server is the bundled pipeline with the one
-config line a user changes (the classifier's platform). Reports land in test-artifacts/."""
+config line a user changes (the classifier's platform, or backend for OpenVINO). Reports land in test-artifacts/."""
 
 import json
 import shutil
@@ -32,16 +32,18 @@ def baseline(server):
     return predict(server), reference.classify([str(p) for p in PATHS], str(ROOT / "models"))
 
 
-@pytest.mark.parametrize("platform, file, tag", [
-    ("onnxruntime_onnx", "model.onnx", "onnx"),
-    ("torch_aoti", "model.pt2", "pt2"),
+@pytest.mark.parametrize("platform, files, tag, line", [
+    ("onnxruntime_onnx", ["model.onnx"], "onnx", 'platform: "onnxruntime_onnx"'),
+    ("openvino", ["model.xml", "model.bin"], "openvino", 'backend: "openvino"'),
+    ("torch_aoti", ["model.pt2"], "pt2", 'platform: "torch_aoti"'),
 ])
-def test_the_bundled_export_agrees_with_the_python_reference(baseline, tmp_path, platform, file, tag):
+def test_the_bundled_export_agrees_with_the_python_reference(baseline, tmp_path, platform, files, tag, line):
     repo = tmp_path / "models"
     shutil.copytree(ROOT / "models", repo, ignore=shutil.ignore_patterns("model.*"))
-    link_file(ROOT / "models" / "classifier" / "1" / file, repo / "classifier" / "1" / file)
+    for file in files:
+        link_file(ROOT / "models" / "classifier" / "1" / file, repo / "classifier" / "1" / file)
     config = repo / "classifier" / "config.pbtxt"
-    config.write_text(config.read_text().replace('platform: "pytorch_libtorch"', f'platform: "{platform}"'))
+    config.write_text(config.read_text().replace('platform: "pytorch_libtorch"', line))
     s = Server("--model-repository", str(repo), repository=False)
     try:
         meta = requests.get(s.base + "/v2/models/classifier", timeout=10).json()

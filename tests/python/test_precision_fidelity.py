@@ -42,6 +42,18 @@ def cpu_runs_bf16():
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def refused_without_bf16(args):
+    """On a CPU without AVX-512 BF16 or AMX, a bf16 model's load fails saying so: checked,
+    then the test is skipped (it measures nothing there)."""
+    try:
+        s = Server(*args, repository=False)
+    except RuntimeError as e:
+        assert "AVX-512 BF16" in str(e), e
+        pytest.skip("not run: needs a CPU with AVX-512 BF16 or AMX (the refusal to load was checked)")
+    s.stop()
+    pytest.fail("bf16 loaded on a CPU without AVX-512 BF16 or AMX")
+
+
 def compare(ours, fp32, python_ref, paths):
     margin = [x["top_k"][0]["score"] - x["top_k"][1]["score"] for x in fp32]
     tie = [m < NEAR_TIE for m in margin]
@@ -91,14 +103,7 @@ def test_bf16_agrees_with_fp32_on_99_percent_near_ties_excused(server, tmp_path)
     repo = bf16_repository(tmp_path)
     args = ("--model-repository", str(repo))
     if devices(server) == {"cpu"} and not cpu_runs_bf16():
-        # Where the CPU cannot run it, the model's load fails saying so.
-        try:
-            s = Server(*args, repository=False)
-        except RuntimeError as e:
-            assert "AVX-512 BF16" in str(e), e
-            pytest.skip("not run: needs a CPU with AVX-512 BF16 or AMX (the refusal to load was checked)")
-        s.stop()
-        pytest.fail("bf16 loaded on a CPU without AVX-512 BF16 or AMX")
+        refused_without_bf16(args)
     paths = photos()
     assert len(paths) >= 280
     fp32 = predict(server, paths)
@@ -129,6 +134,49 @@ def test_bf16_agrees_with_fp32_on_99_percent_near_ties_excused(server, tmp_path)
     print("\nprecision fidelity:", json.dumps(report))
     (ROOT / "test-artifacts").mkdir(exist_ok=True)
     (ROOT / "test-artifacts" / "precision-fidelity.json").write_text(json.dumps(report, indent=2))
+    assert report["bf16"]["rate_near_ties_excused"] >= 0.99, report["bf16"]
+    # bf16 really ran: its scores are not FP32's.
+    assert report["bf16"]["max_abs_top1_score_diff_vs_fp32"] > 0, report["bf16"]
+
+
+def openvino_repository(tmp_path, name, parameters=""):
+    """The bundled repository with its classifier on OpenVINO (the one config line), and
+    `parameters` added to the classifier's config."""
+    repo = tmp_path / name
+    shutil.copytree(ROOT / "models", repo, ignore=shutil.ignore_patterns("model.*"))
+    for file in ("model.xml", "model.bin"):
+        link_file(ROOT / "models" / "classifier" / "1" / file, repo / "classifier" / "1" / file)
+    config = repo / "classifier" / "config.pbtxt"
+    text = config.read_text().replace('platform: "pytorch_libtorch"', 'backend: "openvino"')
+    config.write_text(text + parameters)
+    return repo
+
+
+def test_openvino_bf16_agrees_with_its_fp32_on_99_percent_near_ties_excused(tmp_path):
+    """OpenVINO computes in bf16 unasked on CPUs that have it: its FP32 default is held to
+    the TorchScript server's FP32 scores elsewhere (test_export_fidelity); here Triton's
+    HINT_BF16 asks for bf16, held to the bar above against OpenVINO's FP32."""
+    hint = '\nparameters { key: "HINT_BF16" value: { string_value: "YES" } }\n'
+    bf16_repo = openvino_repository(tmp_path, "bf16", hint)
+    if not cpu_runs_bf16():
+        refused_without_bf16(("--model-repository", str(bf16_repo)))
+    paths = photos()
+    results = {}
+    for precision, repo in (("fp32", openvino_repository(tmp_path, "fp32")), ("bf16", bf16_repo)):
+        s = Server("--model-repository", str(repo), repository=False)
+        try:
+            results[precision] = predict(s, paths)
+        finally:
+            s.stop()
+    python_ref = reference.classify([str(p) for p in paths], str(ROOT / "models"))
+    report = {
+        "runtime": "openvino",
+        "fp32": compare(results["fp32"], results["fp32"], python_ref, paths),
+        "bf16": compare(results["bf16"], results["fp32"], python_ref, paths),
+    }
+    print("\nOpenVINO precision fidelity:", json.dumps(report))
+    (ROOT / "test-artifacts").mkdir(exist_ok=True)
+    (ROOT / "test-artifacts" / "precision-fidelity-openvino.json").write_text(json.dumps(report, indent=2))
     assert report["bf16"]["rate_near_ties_excused"] >= 0.99, report["bf16"]
     # bf16 really ran: its scores are not FP32's.
     assert report["bf16"]["max_abs_top1_score_diff_vs_fp32"] > 0, report["bf16"]

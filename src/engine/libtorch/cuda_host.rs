@@ -6,8 +6,9 @@
 use std::ffi::{c_char, c_int, CStr};
 use std::sync::OnceLock;
 
+use crate::dynlib::{loaded, Library};
 use crate::nvidia::driver::{self, DriverState, ERROR_NO_DEVICE};
-use crate::nvidia::{loaded, version_text, Library};
+use crate::nvidia::version_text;
 
 /// Whether libtorch's CUDA half (`libtorch_cuda.so`) is loaded.
 #[derive(Debug, Clone, PartialEq)]

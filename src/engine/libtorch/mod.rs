@@ -12,8 +12,8 @@ mod jpeg;
 mod package;
 
 use super::{
-    BatchInput, ComputeTimings, Engine, EngineError, EngineOutput, EngineSpec, FileErrors,
-    OutputRequest,
+    cpu_runs_bf16, BatchInput, ComputeTimings, Engine, EngineError, EngineOutput, EngineSpec,
+    FileErrors, OutputRequest,
 };
 use crate::domain::{ClassScore, Normalize, Precision, Runtime};
 use aoti::Package;
@@ -61,21 +61,6 @@ pub struct TorchEngine {
     autocast: Option<Kind>,
     /// Its intra-op threads (libtorch's setting for the thread that loaded it).
     threads: usize,
-}
-
-/// Whether this CPU runs bfloat16 convolutions and matmuls natively (AVX-512 BF16 or
-/// AMX); elsewhere oneDNN would emulate them, slower than FP32.
-pub fn cpu_runs_bf16() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512bf16")
-            || std::fs::read_to_string("/proc/cpuinfo")
-                .is_ok_and(|info| info.split_whitespace().any(|flag| flag == "amx_bf16"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
 }
 
 /// The autocast dtype of `precision` on `device`, or why the device cannot run it

@@ -1,6 +1,6 @@
 //! A classifier's config: its one FP32 image input and logits output, labels, model file,
-//! warmup samples and precision (its scheduling is in `scheduling`), and an ONNX model's
-//! session options.
+//! warmup samples and precision (its scheduling is in `scheduling`), an ONNX model's
+//! session options and an OpenVINO model's compile options.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -11,7 +11,8 @@ use super::{
     ClassifierSpec,
 };
 use crate::domain::{
-    GraphLevel, ModelVersion, OnnxOptions, Precision, Runtime, WarmupData, WarmupSample,
+    GraphLevel, ModelVersion, OnnxOptions, OpenVinoOptions, PerformanceHint, Precision, Runtime,
+    Streams, WarmupData, WarmupSample,
 };
 use crate::repository::{pb, Limits, RepositoryError};
 
@@ -141,6 +142,27 @@ pub(super) fn classifier(
         ));
     };
 
+    // OpenVINO reads an IR's weights from the .bin beside its .xml: held to the same rules.
+    if matches!(runtime, Runtime::OpenVino(_)) && file_name.ends_with(".xml") {
+        let weights = Path::new(file_name).with_extension("bin");
+        let weights = weights.to_string_lossy();
+        if super::model_file(dir, &version_dir, model, "default_model_filename", &weights)?
+            .is_none()
+        {
+            return Err(invalid(
+                model,
+                "default_model_filename",
+                format!(
+                    "{} is missing: an OpenVINO IR's weights are the .bin beside its .xml",
+                    Path::new(model)
+                        .join(&version_dir)
+                        .join(&*weights)
+                        .display()
+                ),
+            ));
+        }
+    }
+
     Ok(ClassifierSpec {
         model_file,
         runtime,
@@ -156,7 +178,104 @@ pub(super) fn classifier(
         batching: batching(model, c, limits)?,
         response_cache: c.response_cache.as_ref().is_some_and(|r| r.enable),
         warmup: warmup(dir, model, c, input, limits)?,
-        precision: precision(model, c)?,
+        precision: precision(model, c, &runtime)?,
+    })
+}
+
+/// Parameters of Triton's openvino backend that shape its static batch; visiongate's
+/// OpenVINO models take any batch size up to the config's (the graph's batch dimension is
+/// made dynamic), so they have nothing to do: the model loads, and the log says so.
+const OPENVINO_BATCH_PARAMETERS: &[&str] = &[
+    "ENABLE_BATCH_PADDING",
+    "RESHAPE_IO_LAYERS",
+    "SKIP_OV_DYNAMIC_BATCHSIZE",
+];
+
+/// An OpenVINO model's compile options, from the parameters Triton's openvino backend
+/// documents: `PERFORMANCE_HINT`, `NUM_STREAMS`, `INFERENCE_NUM_THREADS`,
+/// `COMPILATION_NUM_THREADS` (`HINT_BF16` is read with the precision). Values are read as
+/// Triton's backend reads them, in any case.
+pub(super) fn openvino_options(
+    model: &str,
+    c: &pb::ModelConfig,
+) -> Result<OpenVinoOptions, RepositoryError> {
+    let value = |key: &str| c.parameters.get(key).map(|p| p.string_value.trim());
+    let bad = |key: &str, message: String| invalid(model, &format!("parameters[{key}]"), message);
+    let threads = |key: &str| -> Result<Option<usize>, RepositoryError> {
+        let Some(v) = value(key) else {
+            return Ok(None);
+        };
+        match v.parse::<usize>() {
+            Ok(n) if n <= MAX_SESSION_THREADS => Ok(Some(n)),
+            _ => Err(bad(
+                key,
+                format!(
+                    "'{v}' is not a thread count: 0 (OpenVINO's default) to {MAX_SESSION_THREADS}"
+                ),
+            )),
+        }
+    };
+    let performance_hint = match value("PERFORMANCE_HINT") {
+        None => None,
+        Some(v) => Some(match v.to_ascii_uppercase().as_str() {
+            "LATENCY" => PerformanceHint::Latency,
+            "THROUGHPUT" => PerformanceHint::Throughput,
+            "CUMULATIVE_THROUGHPUT" => PerformanceHint::CumulativeThroughput,
+            _ => {
+                return Err(bad(
+                    "PERFORMANCE_HINT",
+                    format!("'{v}' is not a hint: LATENCY, THROUGHPUT or CUMULATIVE_THROUGHPUT"),
+                ))
+            }
+        }),
+    };
+    let streams = match value("NUM_STREAMS") {
+        None => None,
+        Some(v) if v.eq_ignore_ascii_case("auto") => Some(Streams::Auto),
+        Some(v) if v.eq_ignore_ascii_case("numa") => Some(Streams::Numa),
+        Some(v) => match v.parse::<u32>() {
+            Ok(n) if (1..=MAX_SESSION_THREADS as u32).contains(&n) => Some(Streams::Count(n)),
+            _ => {
+                return Err(bad(
+                    "NUM_STREAMS",
+                    format!(
+                        "'{v}' is not a stream count: AUTO, NUMA or 1 to {MAX_SESSION_THREADS}"
+                    ),
+                ))
+            }
+        },
+    };
+    if let Some(v) = value("TARGET_DEVICE") {
+        if !v.eq_ignore_ascii_case("CPU") {
+            return Err(unsupported(
+                model,
+                "parameters[TARGET_DEVICE]",
+                format!("'{v}': visiongate runs OpenVINO on the CPU only; set CPU or leave it out"),
+            ));
+        }
+    }
+    if c.parameters.contains_key("CPU_EXTENSION_PATH") {
+        return Err(unsupported(
+            model,
+            "parameters[CPU_EXTENSION_PATH]",
+            "remove it: visiongate loads no custom OpenVINO operations",
+        ));
+    }
+    for key in OPENVINO_BATCH_PARAMETERS {
+        if c.parameters.contains_key(*key) {
+            tracing::warn!(
+                model,
+                parameter = key,
+                "OpenVINO parameter not needed: visiongate's OpenVINO models take every batch \
+                 size up to max_batch_size"
+            );
+        }
+    }
+    Ok(OpenVinoOptions {
+        performance_hint,
+        streams,
+        inference_threads: threads("INFERENCE_NUM_THREADS")?,
+        compilation_threads: threads("COMPILATION_NUM_THREADS")?.filter(|&n| n > 0),
     })
 }
 
@@ -237,11 +356,48 @@ pub(super) fn onnx_options(
     })
 }
 
-/// A classifier's `precision` parameter (FP32 when it has none).
-fn precision(model: &str, c: &pb::ModelConfig) -> Result<Precision, RepositoryError> {
-    let Some(p) = c.parameters.get("precision") else {
-        return Ok(Precision::Fp32);
+/// A classifier's `precision` parameter (FP32 when it has none); for OpenVINO, Triton's
+/// `HINT_BF16: "yes"` asks for bf16 too.
+fn precision(
+    model: &str,
+    c: &pb::ModelConfig,
+    runtime: &Runtime,
+) -> Result<Precision, RepositoryError> {
+    let hint_bf16 = match c.parameters.get("HINT_BF16") {
+        Some(p) if matches!(runtime, Runtime::OpenVino(_)) => {
+            if !p.string_value.trim().eq_ignore_ascii_case("yes") {
+                return Err(invalid(
+                    model,
+                    "parameters[HINT_BF16]",
+                    format!(
+                        "'{}' is not a value of it: \"yes\" (bf16), or leave it out (fp32)",
+                        p.string_value
+                    ),
+                ));
+            }
+            true
+        }
+        _ => false,
     };
+    let Some(p) = c.parameters.get("precision") else {
+        return Ok(if hint_bf16 {
+            Precision::Bf16
+        } else {
+            Precision::Fp32
+        });
+    };
+    let precision = precision_parameter(model, p)?;
+    if hint_bf16 && precision != Precision::Bf16 {
+        return Err(invalid(
+            model,
+            "parameters[HINT_BF16]",
+            format!("asks for bf16 and parameters[precision] for {precision}: keep one of them"),
+        ));
+    }
+    Ok(precision)
+}
+
+fn precision_parameter(model: &str, p: &pb::ModelParameter) -> Result<Precision, RepositoryError> {
     Precision::parse(&p.string_value).ok_or_else(|| {
         invalid(
             model,
@@ -487,6 +643,107 @@ mod tests {
         let torch = format!("{CLASSIFIER}\noptimization {{ graph {{ level: 1 }} }}");
         let e = classifier_config("b9", &torch).unwrap_err();
         assert!(e.contains("optimization"), "{e}");
+    }
+
+    fn openvino(tag: &str, extra: &str) -> Result<ClassifierSpec, String> {
+        let text = CLASSIFIER.replace("platform: \"pytorch_libtorch\"", "backend: \"openvino\"");
+        classifier_config(tag, &format!("{text}\n{extra}"))
+    }
+
+    #[test]
+    fn openvino_models_take_the_openvino_backends_parameters() {
+        let plain = openvino("v0", "").unwrap();
+        assert_eq!(plain.runtime, Runtime::OpenVino(OpenVinoOptions::default()));
+        assert!(plain.model_file.ends_with("1/model.xml"));
+        assert_eq!(plain.precision, Precision::Fp32);
+        let onnx_file = openvino("v1", "default_model_filename: \"model.onnx\"").unwrap();
+        assert!(onnx_file.model_file.ends_with("1/model.onnx"));
+
+        let set = [
+            param("PERFORMANCE_HINT", "throughput"),
+            param("NUM_STREAMS", "2"),
+            param("INFERENCE_NUM_THREADS", "4"),
+            param("COMPILATION_NUM_THREADS", "1"),
+            param("ENABLE_BATCH_PADDING", "YES"),
+            param("TARGET_DEVICE", "CPU"),
+        ]
+        .join("\n");
+        let want = OpenVinoOptions {
+            performance_hint: Some(PerformanceHint::Throughput),
+            streams: Some(Streams::Count(2)),
+            inference_threads: Some(4),
+            compilation_threads: Some(1),
+        };
+        assert_eq!(
+            openvino("v2", &set).unwrap().runtime,
+            Runtime::OpenVino(want)
+        );
+        let auto = openvino("v3", &param("NUM_STREAMS", "auto")).unwrap();
+        let Runtime::OpenVino(o) = auto.runtime else {
+            panic!("not OpenVINO")
+        };
+        assert_eq!(o.streams, Some(Streams::Auto));
+
+        // Triton's HINT_BF16 asks for bf16, as the precision parameter does.
+        let hint = openvino("v4", &param("HINT_BF16", "yes")).unwrap();
+        assert_eq!(hint.precision, Precision::Bf16);
+        let both = format!(
+            "{}\n{}",
+            param("HINT_BF16", "YES"),
+            param("precision", "bf16")
+        );
+        assert_eq!(openvino("v5", &both).unwrap().precision, Precision::Bf16);
+    }
+
+    #[test]
+    fn openvino_parameters_it_cannot_honour_fail_naming_the_field() {
+        let cases = [
+            (
+                param("PERFORMANCE_HINT", "fast"),
+                "parameters[PERFORMANCE_HINT]",
+            ),
+            (param("NUM_STREAMS", "0"), "parameters[NUM_STREAMS]"),
+            (
+                param("INFERENCE_NUM_THREADS", "-1"),
+                "parameters[INFERENCE_NUM_THREADS]",
+            ),
+            (param("TARGET_DEVICE", "GPU"), "parameters[TARGET_DEVICE]"),
+            (
+                param("CPU_EXTENSION_PATH", "/x.so"),
+                "parameters[CPU_EXTENSION_PATH]",
+            ),
+            (param("HINT_BF16", "no"), "parameters[HINT_BF16]"),
+            (
+                format!(
+                    "{}\n{}",
+                    param("HINT_BF16", "yes"),
+                    param("precision", "fp32")
+                ),
+                "parameters[HINT_BF16]",
+            ),
+            (
+                "default_model_filename: \"other.xml\"".to_string(),
+                "default_model_filename",
+            ),
+        ];
+        for (i, (line, field)) in cases.iter().enumerate() {
+            let e = openvino(&format!("w{i}"), line).unwrap_err();
+            assert!(e.contains(field), "{line}: {e}");
+        }
+    }
+
+    #[test]
+    fn an_ir_without_its_weights_fails_naming_them() {
+        use super::super::test_support::{failure_of, temp_repo, write};
+        let root = temp_repo("ir-weights");
+        let text = CLASSIFIER.replace("platform: \"pytorch_libtorch\"", "backend: \"openvino\"");
+        write(&root, "m/config.pbtxt", &text);
+        write(&root, "m/labels.txt", "a\nb\n");
+        write(&root, "m/1/model.xml", "x");
+        let r =
+            crate::repository::scan(std::slice::from_ref(&root), None, &Limits::default()).unwrap();
+        let e = failure_of(&r, "m");
+        assert!(e.contains("m/1/model.bin is missing"), "{e}");
     }
 
     #[test]

@@ -25,7 +25,7 @@ use crate::domain::{
     WarmupSample,
 };
 
-use classifier::{classifier, onnx_options};
+use classifier::{classifier, onnx_options, openvino_options};
 use ensemble::ensemble;
 use preprocessor::preprocessor;
 
@@ -41,6 +41,8 @@ pub const PLATFORM_AOTI: &str = "torch_aoti";
 pub const PLATFORM_ENSEMBLE: &str = "ensemble";
 /// The built-in image preprocessor's backend name.
 pub const BACKEND_IMAGE: &str = "visiongate_image";
+/// Triton's OpenVINO backend (it has no platform name).
+pub const BACKEND_OPENVINO: &str = "openvino";
 
 #[derive(Debug, Clone)]
 pub enum ModelKind {
@@ -206,6 +208,10 @@ pub(crate) fn model_kind(
             let runtime = Runtime::Onnx(onnx_options(model, config)?);
             classifier(dir, model, config, version, limits, runtime).map(ModelKind::Classifier)
         }
+        ("", BACKEND_OPENVINO) => {
+            let runtime = Runtime::OpenVino(openvino_options(model, config)?);
+            classifier(dir, model, config, version, limits, runtime).map(ModelKind::Classifier)
+        }
         (PLATFORM_ENSEMBLE, "") => {
             refuse_response_cache(model, config)?;
             if !config.model_warmup.is_empty() {
@@ -245,9 +251,10 @@ pub(crate) fn model_kind(
             },
             format!(
                 "'{}' cannot be served; export the model to TorchScript (platform \
-                 \"pytorch_libtorch\"), ONNX (platform \"onnxruntime_onnx\") or a \
-                 torch.export package (platform \"torch_aoti\"), or use backend \
-                 \"visiongate_image\" / platform \"ensemble\"",
+                 \"pytorch_libtorch\"), ONNX (platform \"onnxruntime_onnx\"), OpenVINO IR \
+                 (backend \"openvino\") or a torch.export package (platform \
+                 \"torch_aoti\"), or use backend \"visiongate_image\" / platform \
+                 \"ensemble\"",
                 if platform.is_empty() {
                     backend
                 } else {

@@ -54,6 +54,8 @@ pub(super) fn classifier_config(tag: &str, text: &str) -> Result<ClassifierSpec,
     write(&root, "m/1/model.pt", "x");
     write(&root, "m/1/model.onnx", "x");
     write(&root, "m/1/model.pt2", "x");
+    write(&root, "m/1/model.xml", "x");
+    write(&root, "m/1/model.bin", "x");
     let mut r = scan(std::slice::from_ref(&root), None, &Limits::default()).unwrap();
     match r.failures.pop() {
         Some(f) => Err(f.error.to_string()),

@@ -1,5 +1,7 @@
 //! Shared libraries opened at run time (`dlopen`), never closed: the function pointers
-//! taken from them point into them, and NVIDIA's libraries keep state for the process.
+//! taken from them point into them, and the runtimes' libraries (NVIDIA's, OpenVINO's) keep
+//! state for the process. One loader for all: a library opened once and kept, its symbols
+//! taken as typed function pointers, errors naming the library and the symbol.
 use std::ffi::{c_void, CStr, CString};
 use std::ptr::NonNull;
 
