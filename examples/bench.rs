@@ -4,9 +4,12 @@
 //!   2. decode + resize throughput on the test photos (small / medium / large, 1 and N threads)
 //!   3. the real server binary, side by side for each variant this CPU runs (the TorchScript
 //!      model in FP32, and bf16 where the CPU has AVX-512 BF16 or AMX; the ONNX model on ONNX
-//!      Runtime), alternating for `--rounds` rounds (default 2)
+//!      Runtime; the IR on OpenVINO in FP32, and bf16 likewise; the torch.export package),
+//!      alternating for `--rounds` rounds (default 2)
 //!      so the noise shows: (b) one `/predict` request of 1000 photos (small and medium ones
-//!      with one in 20 of 9 to 24 MP) with the cores the server kept busy, (d) single-image
+//!      with one in 20 of 9 to 24 MP) with the cores the server kept busy and the decode-only
+//!      bound (the cores over the decode threads' time per image, from the server's decode
+//!      metrics in the same request), (d) single-image
 //!      requests at concurrency 1, 8 and 32, and the server's peak RSS over both; then (c)
 //!      the same request handled naively (one batch, one instance, FP32) and (f)
 //!      with the response cache
@@ -18,7 +21,8 @@
 //!
 //! `--compare BIN_A BIN_B [--rounds N]` runs only 3b and 3d, alternating the two server
 //! binaries for N rounds (default 3), so a change is measured against its base in one run
-//! with the noise visible; with each: the cores 3b kept busy and the peak RSS of it all.
+//! with the noise visible; with each: the cores 3b kept busy, its decode-only bound and the
+//! peak RSS of it all.
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -215,7 +219,7 @@ async fn main() {
         return compare(&bins, images).await;
     }
     println!(
-        "visiongate benchmark: {cores} cores, EfficientNet-Lite0 on CPU (libtorch, ONNX Runtime)\n{}\n",
+        "visiongate benchmark: {cores} cores, EfficientNet-Lite0 on CPU (libtorch, ONNX Runtime, OpenVINO)\n{}\n",
         cpu_description()
     );
 
@@ -274,17 +278,20 @@ async fn main() {
     let rounds = arg_value("--rounds").unwrap_or(2);
     println!(
         "\n3. the server, one process per variant, alternating for {rounds} round(s):\n   \
-         b: one /predict request of {images} photos ({}), d: single-image requests (one \
-         small photo each), peak RSS over both",
+         b: one /predict request of {images} photos ({}), with the cores it kept busy and \
+         its decode-only bound (the cores over the decode threads' time per image in it: \
+         what decoding alone would allow), d: single-image requests (one small photo each), \
+         peak RSS over both",
         mixed_description(&mixed)
     );
     println!(
-        "   {:<5} {:<16} {:>9} {:>12} {:>6} {:>22} {:>22} {:>22} {:>9}",
+        "   {:<5} {:<16} {:>9} {:>12} {:>6} {:>8} {:>22} {:>22} {:>22} {:>9}",
         "round",
         "variant",
         "ready MiB",
         "b images/s",
         "cores",
+        "bound",
         "d c=1 req/s p50 p99",
         "c=8 req/s p50 p99",
         "c=32 req/s p50 p99",
@@ -297,14 +304,15 @@ async fn main() {
             let args = variant.server_args();
             let server = Server::start(&args.iter().map(String::as_str).collect::<Vec<_>>()).await;
             let ready_mib = server.rss_mib("VmRSS:");
-            let (rate, _, busy) = one_big_request(&server, &mixed, images).await;
+            let big = one_big_request(&server, &mixed, images).await;
             let single = single_loads(&server, &small).await;
             let run = Run {
                 round,
                 variant: variant.name(),
                 ready_mib,
-                rate,
-                busy,
+                rate: big.rate,
+                busy: big.busy,
+                bound: big.decode_bound(cores),
                 single,
                 peak_mib: server.peak_rss_mib(),
             };
@@ -344,7 +352,12 @@ async fn main() {
     )
     .await;
     println!("\n3c. the same request handled naively (one batch of {images}, one instance, {cores} threads, FP32)");
-    let (naive, secs, naive_busy) = one_big_request(&server, &mixed, images).await;
+    let BigRequest {
+        rate: naive,
+        secs,
+        busy: naive_busy,
+        ..
+    } = one_big_request(&server, &mixed, images).await;
     let naive_peak = server.peak_rss_mib();
     let fp32_rate = summary.median(&names[0], |r| r.rate);
     println!(
@@ -365,11 +378,15 @@ async fn main() {
         "\n3f. a request of {images} small photos with response_cache enabled ({} distinct photos)",
         small.len()
     );
-    let (cold, secs, _) = one_big_request(&server, &small, images).await;
+    let BigRequest {
+        rate: cold, secs, ..
+    } = one_big_request(&server, &small, images).await;
     println!(
         "   first time: {secs:.2} s, {cold:.1} images/s (repeats hit once their first copy ran)"
     );
-    let (warm, secs, _) = one_big_request(&server, &small, images).await;
+    let BigRequest {
+        rate: warm, secs, ..
+    } = one_big_request(&server, &small, images).await;
     println!("   again:      {secs:.2} s, {warm:.1} images/s");
     drop(server);
 
@@ -412,6 +429,8 @@ struct Run {
     /// 3b: images/s and cores busy.
     rate: f64,
     busy: f64,
+    /// 3b's decode-only bound: the cores over the decode threads' time per image.
+    bound: f64,
     /// 3d: (req/s, p50 ms, p99 ms) for each of `SINGLE_LOADS`.
     single: Vec<(f64, f64, f64)>,
     /// Over 3b and 3d, start-up included.
@@ -422,12 +441,13 @@ impl Run {
     fn row(&self) -> String {
         let cells = single_cells(&self.single);
         format!(
-            "{:<5} {:<16} {:>9.0} {:>12.1} {:>6.2} {:>22} {:>22} {:>22} {:>9.0}",
+            "{:<5} {:<16} {:>9.0} {:>12.1} {:>6.2} {:>8.1} {:>22} {:>22} {:>22} {:>9.0}",
             self.round,
             self.variant,
             self.ready_mib,
             self.rate,
             self.busy,
+            self.bound,
             cells[0],
             cells[1],
             cells[2],
@@ -442,6 +462,7 @@ impl Run {
             "ready_rss_mib": self.ready_mib,
             "request_images_per_s": self.rate,
             "cores_busy": self.busy,
+            "decode_only_bound_images_per_s": self.bound,
             "single": SINGLE_LOADS.iter().zip(&self.single).map(|((c, _), (rps, p50, p99))| {
                 json!({"concurrency": c, "req_per_s": rps, "p50_ms": p50, "p99_ms": p99})
             }).collect::<Vec<_>>(),
@@ -520,10 +541,13 @@ impl<'a> Summary<'a> {
             let (clo, chi) = self.range(p, Self::c32);
             let (plo, phi) = self.range(p, |r| r.peak_mib);
             out.push_str(&format!(
-                "   {p:<16} b {:.1} images/s ({lo:.1}-{hi:.1}; {:.2}x the best TorchScript FP32 model-only), \
-                 cores busy {blo:.2}-{bhi:.2}; d c=32 {:.1} req/s ({clo:.1}-{chi:.1}); peak RSS {plo:.0}-{phi:.0} MiB\n",
+                "   {p:<16} b {:.1} images/s ({lo:.1}-{hi:.1}; {:.2}x the best TorchScript FP32 model-only; \
+                 {:.0}% of its decode-only bound, {:.1}), cores busy {blo:.2}-{bhi:.2}; d c=32 {:.1} req/s \
+                 ({clo:.1}-{chi:.1}); peak RSS {plo:.0}-{phi:.0} MiB\n",
                 self.median(p, |r| r.rate),
                 self.median(p, |r| r.rate) / self.best_model_only,
+                100.0 * self.median(p, |r| r.rate / r.bound),
+                self.median(p, |r| r.bound),
                 self.median(p, Self::c32),
             ));
         }
@@ -565,6 +589,8 @@ impl<'a> Summary<'a> {
                     json!({
                         "request_images_per_s": self.median(p, |r| r.rate),
                         "cores_busy_min": self.range(p, |r| r.busy).0,
+                        "decode_only_bound_images_per_s": self.median(p, |r| r.bound),
+                        "share_of_decode_only_bound": self.median(p, |r| r.rate / r.bound),
                         "c32_req_per_s": self.median(p, Self::c32),
                         "peak_rss_mib_max": self.range(p, |r| r.peak_mib).1,
                     }),
@@ -590,8 +616,8 @@ fn write_report(dir: &Path, report: &serde_json::Value, summary: &Summary, naive
     let mut md = format!(
         "# visiongate benchmark\n\n{} cores ({}); one /predict request of {} photos ({}); \
          single-image requests of one small photo.\n\n\
-         | round | variant | ready RSS MiB | large request images/s | cores busy | c=1 req/s | c=8 req/s | c=32 req/s | peak RSS MiB |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+         | round | variant | ready RSS MiB | large request images/s | cores busy | decode-only bound images/s | c=1 req/s | c=8 req/s | c=32 req/s | peak RSS MiB |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
         report["cores"],
         report["cpu"].as_str().unwrap_or(""),
         report["images"],
@@ -599,12 +625,13 @@ fn write_report(dir: &Path, report: &serde_json::Value, summary: &Summary, naive
     );
     for r in summary.runs {
         md.push_str(&format!(
-            "| {} | {} | {:.0} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} | {:.0} |\n",
+            "| {} | {} | {:.0} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} |\n",
             r.round,
             r.variant,
             r.ready_mib,
             r.rate,
             r.busy,
+            r.bound,
             r.single[0].0,
             r.single[1].0,
             r.single[2].0,
@@ -750,12 +777,15 @@ fn compare_args() -> Option<(Vec<PathBuf>, usize)> {
 async fn compare((bins, rounds): &(Vec<PathBuf>, usize), images: usize) {
     let small = photos("small");
     let mixed = mixed_photos();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!("{}\n", cpu_description());
     println!(
-        "{:<5} {:<28} {:>12} {:>6} {:>7} {:>22} {:>22} {:>22}",
+        "{:<5} {:<28} {:>12} {:>6} {:>8} {:>7} {:>22} {:>22} {:>22}",
         "round",
         "binary",
         "3b img/s",
         "cores",
+        "bound",
         "RSS MiB",
         "c=1 req/s p50 p99",
         "c=8 req/s p50 p99",
@@ -764,14 +794,17 @@ async fn compare((bins, rounds): &(Vec<PathBuf>, usize), images: usize) {
     for round in 1..=*rounds {
         for bin in bins {
             let server = Server::start_bin(bin, &[], &[]).await;
-            let (rate, _, busy) = one_big_request(&server, &mixed, images).await;
+            let big = one_big_request(&server, &mixed, images).await;
             let single = single_loads(&server, &small).await;
             let cells = single_cells(&single);
             let name = bin
                 .file_name()
                 .map_or(String::new(), |n| n.to_string_lossy().into());
             println!(
-                "{round:<5} {name:<28} {rate:>12.1} {busy:>6.2} {:>7.0} {:>22} {:>22} {:>22}",
+                "{round:<5} {name:<28} {:>12.1} {:>6.2} {:>8.1} {:>7.0} {:>22} {:>22} {:>22}",
+                big.rate,
+                big.busy,
+                big.decode_bound(cores),
                 server.peak_rss_mib(),
                 cells[0],
                 cells[1],
@@ -875,6 +908,34 @@ impl Server {
         self.rss_mib("VmHWM:")
     }
 
+    /// Its Prometheus metrics, as scraped.
+    async fn metrics_text(&self) -> String {
+        self.client
+            .get(&self.metrics)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
+    /// The seconds its decode threads have spent decoding and the images they decoded (the
+    /// `path="cpu"` series of its metrics).
+    async fn cpu_decodes(&self) -> (f64, f64) {
+        let text = self.metrics_text().await;
+        let sum = |name: &str| -> f64 {
+            text.lines()
+                .filter(|l| l.starts_with(name) && l.contains("path=\"cpu\""))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        };
+        (
+            sum("visiongate_decode_duration_us_total") / 1e6,
+            sum("visiongate_decode_images_total"),
+        )
+    }
+
     /// CPU time the server has used so far (user + system, every thread), in seconds.
     fn cpu_seconds(&self) -> f64 {
         let stat =
@@ -905,15 +966,7 @@ impl Server {
     }
 
     async fn metrics_summary(&self) -> String {
-        let text = self
-            .client
-            .get(&self.metrics)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = self.metrics_text().await;
         let pick = |prefix: &str| -> String {
             text.lines()
                 .filter(|l| l.starts_with(prefix))
@@ -945,13 +998,33 @@ impl Drop for Server {
 
 /// One request of `images` photos (`photos` repeated): (images/s, seconds, cores the
 /// server kept busy: its CPU time over the request's wall time).
-async fn one_big_request(server: &Server, photos: &[Vec<u8>], images: usize) -> (f64, f64, f64) {
+/// One `/predict` of `images` photos, as the server answered it.
+struct BigRequest {
+    /// Images/s.
+    rate: f64,
+    secs: f64,
+    /// Cores the server kept busy.
+    busy: f64,
+    /// Its decode threads' time per image (the server's decode metrics): the decode-only
+    /// bound of this run is the cores over it.
+    decode_secs: f64,
+}
+
+impl BigRequest {
+    /// Images/s the cores would decode with nothing else to do, at this run's decode cost.
+    fn decode_bound(&self, cores: usize) -> f64 {
+        cores as f64 / self.decode_secs
+    }
+}
+
+async fn one_big_request(server: &Server, photos: &[Vec<u8>], images: usize) -> BigRequest {
     let mut form = reqwest::multipart::Form::new();
     for i in 0..images {
         let part = reqwest::multipart::Part::bytes(photos[i % photos.len()].clone())
             .file_name(format!("{i}.jpg"));
         form = form.part("files", part);
     }
+    let decodes = server.cpu_decodes().await;
     let (t, cpu) = (Instant::now(), server.cpu_seconds());
     let resp = server
         .client
@@ -968,7 +1041,13 @@ async fn one_big_request(server: &Server, photos: &[Vec<u8>], images: usize) -> 
         .as_array()
         .map_or(0, |r| r.iter().filter(|x| x.get("label").is_some()).count());
     assert_eq!(ok, images, "every photo labelled");
-    (images as f64 / secs, secs, busy)
+    let after = server.cpu_decodes().await;
+    BigRequest {
+        rate: images as f64 / secs,
+        secs,
+        busy,
+        decode_secs: (after.0 - decodes.0) / (after.1 - decodes.1).max(1.0),
+    }
 }
 
 /// `total` single-photo requests from `concurrency` clients: (req/s, p50 ms, p99 ms).

@@ -14,7 +14,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLOURS = {"torchscript fp32": "#4C72B0", "torchscript bf16": "#DD8452", "onnx fp32": "#55A868"}
+COLOURS = {
+    "torchscript fp32": "#4C72B0",
+    "torchscript bf16": "#DD8452",
+    "onnx fp32": "#55A868",
+    "openvino fp32": "#C44E52",
+    "openvino bf16": "#8172B2",
+    "pt2 fp32": "#937860",
+}
 
 
 def per_variant(runs, value):

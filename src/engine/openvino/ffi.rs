@@ -76,9 +76,12 @@ type Out<T> = *mut *mut T;
 struct Api {
     free: unsafe extern "C" fn(*const c_char),
     last_error: unsafe extern "C" fn() -> *const c_char,
+    error_info: unsafe extern "C" fn(Status) -> *const c_char,
     version: unsafe extern "C" fn(*mut Version) -> Status,
     version_free: unsafe extern "C" fn(*mut Version),
     core_create: unsafe extern "C" fn(Out<c_void>) -> Status,
+    core_free: unsafe extern "C" fn(*mut c_void),
+    core_set: unsafe extern "C" fn(*const c_void, *const c_char, usize, *const Property) -> Status,
     read_model:
         unsafe extern "C" fn(*const c_void, *const c_char, *const c_char, Out<c_void>) -> Status,
     model_free: unsafe extern "C" fn(*mut c_void),
@@ -123,11 +126,15 @@ impl Api {
         // documentation).
         unsafe {
             Ok(Api {
-                free: lib.get(c"ov_free")?,
-                last_error: lib.get(c"ov_get_last_err_msg")?,
+                // The release first: an older one lacks calls bound below.
                 version: lib.get(c"ov_get_openvino_version")?,
                 version_free: lib.get(c"ov_version_free")?,
+                free: lib.get(c"ov_free")?,
+                last_error: lib.get(c"ov_get_last_err_msg")?,
+                error_info: lib.get(c"ov_get_error_info")?,
                 core_create: lib.get(c"ov_core_create")?,
+                core_free: lib.get(c"ov_core_free")?,
+                core_set: lib.get(c"ov_core_set_properties")?,
                 read_model: lib.get(c"ov_core_read_model")?,
                 model_free: lib.get(c"ov_model_free")?,
                 inputs_size: lib.get(c"ov_model_inputs_size")?,
@@ -159,17 +166,28 @@ impl Api {
         }
     }
 
-    /// `status` as a result: the library's last error message where it failed (process-
-    /// wide, so under concurrent failures it may be another thread's; the call is named).
+    /// `status` as a result: where `call` failed, what the status means and, for the
+    /// statuses the C API sets it with (a C++ exception caught), the library's last error
+    /// message. That message is one for the whole process: the loads that could fail
+    /// together take turns (`Runtime::loading`), so it is this call's.
     fn check(&self, call: &str, status: Status) -> Result<(), String> {
         if status == 0 {
             return Ok(());
         }
-        // SAFETY: the message is a NUL-terminated copy the caller frees with ov_free.
-        let message = unsafe { self.take_string((self.last_error)() as *mut c_char) };
+        // SAFETY: a static string for any status.
+        let info = unsafe { CStr::from_ptr((self.error_info)(status)) }
+            .to_string_lossy()
+            .into_owned();
+        // GENERAL_ERROR, NOT_IMPLEMENTED, REQUEST_BUSY, INFER_CANCELLED, UNKNOW_EXCEPTION.
+        let message = if matches!(status, -1 | -2 | -8 | -13 | -17) {
+            // SAFETY: a NUL-terminated copy the caller frees with ov_free, or null.
+            unsafe { self.take_string((self.last_error)() as *mut c_char) }
+        } else {
+            String::new()
+        };
         let message = message.trim();
         Err(if message.is_empty() {
-            format!("{call} failed (status {status})")
+            format!("{call} failed ({})", info.trim())
         } else {
             format!("{call}: {}", first_line(message))
         })
@@ -210,26 +228,48 @@ pub struct Runtime {
     core: NonNull<c_void>,
     /// The release, as OpenVINO reports it.
     pub version: String,
+    /// Held while a model is read and compiled: the loads take turns, so the error message
+    /// a failed call leaves is the failed call's.
+    loading: std::sync::Mutex<()>,
 }
 
 // SAFETY: the core is documented thread-safe; the function pointers are plain code.
 unsafe impl Send for Runtime {}
 unsafe impl Sync for Runtime {}
 
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        // SAFETY: the core this type made (a runtime kept for the process is never dropped).
+        unsafe { (self.api.core_free)(self.core.as_ptr()) }
+    }
+}
+
 impl Runtime {
-    /// `library` (a path, or a name for the dynamic linker), bound, with a core made.
+    /// `library` (a path, or a name for the dynamic linker), bound, with a core made that
+    /// reads weights into memory (a mapped `.bin` changed in place would crash the process).
     pub fn open(library: &str) -> Result<Runtime, String> {
-        // oneTBB opens its NUMA binding (libtbbbind) with RTLD_DEEPBIND: the hwloc it brings
-        // would then free with the C library's `free` what the C library's own functions
-        // allocated with this process's malloc (jemalloc), and abort. hwloc opened first,
-        // from beside the C API, binds to the process's malloc like everything else.
-        // Where the C API is a bare name, hwloc is the dynamic linker's to find, if it can.
+        // oneTBB opens its NUMA binding (libtbbbind) with RTLD_DEEPBIND, so the hwloc that
+        // binding needs would bind `free` to the C library's own while the C library's
+        // functions allocate with this process's malloc (jemalloc), and the process would
+        // abort in hwloc's topology load (where an hwloc is found: the wheel's, beside the
+        // C API). hwloc opened first, from beside the C API, is the one the binding gets,
+        // bound to the process's malloc like everything else.
         let path = std::path::Path::new(library);
-        let hwloc = path.with_file_name(HWLOC);
-        if path.parent().is_some_and(|p| p.as_os_str().is_empty()) {
-            let _ = Library::open(HWLOC);
-        } else if hwloc.is_file() {
-            Library::open(&hwloc.to_string_lossy()).map_err(|e| e.to_string())?;
+        let hwloc = if path.parent().is_some_and(|p| p.as_os_str().is_empty()) {
+            Library::open(HWLOC).map(drop)
+        } else if path.with_file_name(HWLOC).is_file() {
+            Library::open(&path.with_file_name(HWLOC).to_string_lossy()).map(drop)
+        } else {
+            Err(LoadError::Open {
+                library: HWLOC.into(),
+                why: "not beside the C API".into(),
+            })
+        };
+        if let Err(e) = hwloc {
+            tracing::warn!(
+                "{e}: OpenVINO's threads will not know the NUMA layout (and an hwloc found \
+                 elsewhere could abort the process)"
+            );
         }
         let lib = Library::open(library).map_err(|e| e.to_string())?;
         let api = Api::bind(&lib).map_err(|e| e.to_string())?;
@@ -250,16 +290,44 @@ impl Runtime {
         // SAFETY: an out-pointer for the new core.
         api.check("ov_core_create", unsafe { (api.core_create)(&mut core) })?;
         let core = NonNull::new(core).ok_or("ov_core_create gave no core")?;
-        Ok(Runtime { api, core, version })
+        let rt = Runtime {
+            api,
+            core,
+            version,
+            loading: std::sync::Mutex::new(()),
+        };
+        let props = [Property {
+            key: c"ENABLE_MMAP".as_ptr(),
+            value: c"NO".as_ptr().cast(),
+        }];
+        // SAFETY: a null device name sets the core's own properties; `props` outlives it.
+        let status = unsafe { (rt.api.core_set)(core.as_ptr(), ptr::null(), 1, props.as_ptr()) };
+        rt.api.check("setting ENABLE_MMAP", status)?;
+        Ok(rt)
     }
 
-    /// The model in `path` (IR `.xml`, its weights in the `.bin` of the same name, or ONNX).
-    pub fn read_model(&self, path: &std::path::Path) -> Result<Model<'_>, String> {
+    /// The lock a model's read and compile hold (see `loading`).
+    pub fn loading(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.loading.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The model in `path` (IR `.xml` with its weights in `weights`, or ONNX).
+    pub fn read_model(
+        &self,
+        path: &std::path::Path,
+        weights: Option<&std::path::Path>,
+    ) -> Result<Model<'_>, String> {
         let path = c_path(path)?;
+        let weights = weights.map(c_path).transpose()?;
         let mut model = ptr::null_mut();
-        // SAFETY: a NUL-terminated path, no separate weights path, an out-pointer.
+        // SAFETY: NUL-terminated paths (the weights' or null), an out-pointer.
         let status = unsafe {
-            (self.api.read_model)(self.core.as_ptr(), path.as_ptr(), ptr::null(), &mut model)
+            (self.api.read_model)(
+                self.core.as_ptr(),
+                path.as_ptr(),
+                weights.as_ref().map_or(ptr::null(), |w| w.as_ptr()),
+                &mut model,
+            )
         };
         self.api.check("reading the model", status)?;
         Ok(Model {
@@ -431,7 +499,6 @@ impl PortHandle<'_> {
             let name = if (api.port_name)(self.raw, &mut name) == 0 {
                 api.take_string(name)
             } else {
-                let _ = api.take_string((api.last_error)() as *mut c_char);
                 String::new()
             };
             api.check("a port's type", (api.port_type)(self.raw, &mut element))?;
@@ -513,7 +580,9 @@ impl Compiled<'_> {
         };
         let mut tensor = ptr::null_mut();
         // SAFETY: the tensor borrows `input` (never written through: it is the model's
-        // input) and the shape's dims for the call; it is freed below, before either goes.
+        // input, which OpenVINO reads in place) and the shape's dims for the call; it is
+        // freed below, before either goes. The request keeps the pointer until the next
+        // batch sets another input, but reads it only while it infers.
         unsafe {
             api.check(
                 "ov_tensor_create_from_host_ptr",

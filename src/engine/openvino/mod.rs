@@ -5,10 +5,11 @@
 //! per process, by the first OpenVINO model that loads.
 //!
 //! Unlike Triton's backend, which fixes the batch dimension to `max_batch_size` (a smaller
-//! request then fails, or is padded), the graph's batch dimension is made dynamic, so each
-//! batch runs at its own size. The precision is FP32 unless the config asks for bf16: on
+//! request then fails, or is padded), the graph's batch dimension is made 1 to the largest
+//! batch the server forms, so each batch runs at its own size. The precision is FP32 unless the config asks for bf16: on
 //! CPUs with AVX-512 BF16 or AMX, OpenVINO would otherwise compute in bf16 unasked.
 mod ffi;
+mod onnx_data;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -142,16 +143,53 @@ impl OpenVinoEngine {
                 )
             }
         };
-        let model = rt.read_model(&spec.file)?;
+        // An IR's weights: the .bin beside it, which the repository checked (a regular file
+        // inside the model's directory); named here, not left to OpenVINO to find. An ONNX
+        // file must hold its weights itself.
+        let is_ir = spec.file.extension().is_some_and(|e| e == "xml");
+        let weights = is_ir.then(|| spec.file.with_extension("bin"));
+        if !is_ir {
+            let bytes = std::fs::read(&spec.file).map_err(|e| format!("cannot read it: {e}"))?;
+            onnx_data::check(&bytes).map_err(|finding| match finding {
+                onnx_data::Finding::ExternalData(what) => format!(
+                    "{what}: an ONNX model served by OpenVINO must hold its weights (export \
+                     it with external_data=False, or convert it to IR)"
+                ),
+                onnx_data::Finding::Malformed(what) => {
+                    format!("not an ONNX model ({what})")
+                }
+            })?;
+        }
+        let _loading = rt.loading();
+        let model = rt.read_model(&spec.file, weights.as_deref())?;
         let output = check_graph(&model.inputs()?, &model.outputs()?, spec)?;
         // Every batch size up to the config's, at the config's image size.
         let dims = [
-            Dimension::DYNAMIC,
+            Dimension {
+                min: 1,
+                max: spec.max_batch_size as i64,
+            },
             Dimension::fixed(3),
             Dimension::fixed(spec.height as i64),
             Dimension::fixed(spec.width as i64),
         ];
         model.reshape_input(&spec.input, &dims)?;
+        // A graph that fixed its batch inside (a reshape to the export's batch) would now
+        // give that batch whatever it is fed: its output must follow the input's batch.
+        let batch = &model.outputs()?[output];
+        if batch.dims.as_ref().and_then(|d| d.first()) != Some(&dims[0]) {
+            return Err(format!(
+                "field 'output': '{}' keeps a batch dimension of {} once the input's is made \
+                 1..{} (the graph fixes its batch inside: export it with a dynamic batch axis)",
+                spec.output,
+                batch
+                    .dims
+                    .as_ref()
+                    .and_then(|d| d.first())
+                    .map_or("?".into(), |d| format!("{}..{}", d.min, d.max)),
+                spec.max_batch_size
+            ));
+        }
         let threads = options.inference_threads.unwrap_or(threads);
         let compiled = model.compile(&properties(precision, options, threads))?;
         let compiled_precision = compiled.property("INFERENCE_PRECISION_HINT")?;

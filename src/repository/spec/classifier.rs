@@ -142,25 +142,8 @@ pub(super) fn classifier(
         ));
     };
 
-    // OpenVINO reads an IR's weights from the .bin beside its .xml: held to the same rules.
-    if matches!(runtime, Runtime::OpenVino(_)) && file_name.ends_with(".xml") {
-        let weights = Path::new(file_name).with_extension("bin");
-        let weights = weights.to_string_lossy();
-        if super::model_file(dir, &version_dir, model, "default_model_filename", &weights)?
-            .is_none()
-        {
-            return Err(invalid(
-                model,
-                "default_model_filename",
-                format!(
-                    "{} is missing: an OpenVINO IR's weights are the .bin beside its .xml",
-                    Path::new(model)
-                        .join(&version_dir)
-                        .join(&*weights)
-                        .display()
-                ),
-            ));
-        }
+    if matches!(runtime, Runtime::OpenVino(_)) {
+        openvino_weights(dir, model, &model_file)?;
     }
 
     Ok(ClassifierSpec {
@@ -277,6 +260,39 @@ pub(super) fn openvino_options(
         inference_threads: threads("INFERENCE_NUM_THREADS")?,
         compilation_threads: threads("COMPILATION_NUM_THREADS")?.filter(|&n| n > 0),
     })
+}
+
+/// An OpenVINO model is IR (`.xml`) or ONNX (`.onnx`), not whatever else OpenVINO's readers
+/// take; an IR's weights are the `.bin` beside the `.xml` (where its symlinks lead), held
+/// to the rules of every model file, and the engine names that file to OpenVINO.
+fn openvino_weights(dir: &Path, model: &str, model_file: &Path) -> Result<(), RepositoryError> {
+    let field = "default_model_filename";
+    let extension = model_file.extension().and_then(|e| e.to_str());
+    if !matches!(extension, Some("xml" | "onnx")) {
+        return Err(unsupported(
+            model,
+            field,
+            "OpenVINO models here are IR (.xml with its .bin) or ONNX (.onnx)",
+        ));
+    }
+    if extension != Some("xml") {
+        return Ok(());
+    }
+    // The model file is resolved (inside the model's directory): its .bin from there.
+    let weights = model_file.with_extension("bin");
+    let root = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    let relative = weights.strip_prefix(&root).unwrap_or(&weights);
+    if super::model_file(dir, "", model, field, &relative.to_string_lossy())?.is_none() {
+        return Err(invalid(
+            model,
+            field,
+            format!(
+                "{} is missing: an OpenVINO IR's weights are the .bin beside its .xml",
+                Path::new(model).join(relative).display()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The most threads a config may ask one ONNX Runtime session for, per pool.
@@ -725,6 +741,10 @@ mod tests {
                 "default_model_filename: \"other.xml\"".to_string(),
                 "default_model_filename",
             ),
+            (
+                "default_model_filename: \"model.pt\"".to_string(),
+                "default_model_filename",
+            ),
         ];
         for (i, (line, field)) in cases.iter().enumerate() {
             let e = openvino(&format!("w{i}"), line).unwrap_err();
@@ -744,6 +764,30 @@ mod tests {
             crate::repository::scan(std::slice::from_ref(&root), None, &Limits::default()).unwrap();
         let e = failure_of(&r, "m");
         assert!(e.contains("m/1/model.bin is missing"), "{e}");
+
+        // The .bin beside where the .xml's link leads is the one read, held to the rules:
+        // a link out of the model's directory is refused.
+        let outside = temp_repo("ir-weights-outside");
+        write(&outside, "secret.bin", "x");
+        write(&root, "m/1/real/net.xml", "x");
+        std::fs::remove_file(root.join("m/1/model.xml")).unwrap();
+        std::os::unix::fs::symlink("real/net.xml", root.join("m/1/model.xml")).unwrap();
+        std::os::unix::fs::symlink(outside.join("secret.bin"), root.join("m/1/real/net.bin"))
+            .unwrap();
+        write(&root, "m/1/model.bin", "x");
+        let r =
+            crate::repository::scan(std::slice::from_ref(&root), None, &Limits::default()).unwrap();
+        let e = failure_of(&r, "m");
+        assert!(e.contains("leads out of the model's directory"), "{e}");
+        std::fs::remove_file(root.join("m/1/real/net.bin")).unwrap();
+        write(&root, "m/1/real/net.bin", "x");
+        let r =
+            crate::repository::scan(std::slice::from_ref(&root), None, &Limits::default()).unwrap();
+        assert!(
+            r.failures.is_empty(),
+            "{:?}",
+            r.failures.first().map(|f| f.error.to_string())
+        );
     }
 
     #[test]
