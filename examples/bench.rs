@@ -223,6 +223,8 @@ async fn main() {
         cpu_description()
     );
 
+    // TorchScript runs as the server runs it on a host without GPUs (`--onednn-fusion`).
+    visiongate::engine::libtorch::cuda::set_onednn_fusion(true).unwrap();
     println!("1. model-only forward (preprocessed f32 tensors), images/s");
     println!(
         "   {:>16} {:>6} {:>26} {:>26}",

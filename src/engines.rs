@@ -46,6 +46,15 @@ pub struct EngineFlags {
     #[arg(long, env = "VISIONGATE_TF32", value_enum, default_value = "default")]
     pub tf32: Tf32,
 
+    /// oneDNN Graph's fuser for TorchScript models on the CPU (PyTorch's
+    /// `torch.jit.enable_onednn_fusion`): convolutions fused with their activations and
+    /// additions, each batch shape compiled once and kept (memory per shape). On
+    /// EfficientNet-Lite0 with one thread per instance its forward pass took a quarter less
+    /// time in FP32 and half in bf16 (docs/performance.md). Off where libtorch has GPUs (not
+    /// yet measured there).
+    #[arg(long, env = "VISIONGATE_ONEDNN_FUSION", default_value_t = true, action = clap::ArgAction::Set)]
+    pub onednn_fusion: bool,
+
     /// Every TorchScript classifier's precision, instead of its config's `precision`
     /// parameter: `fp32`, `bf16` (autocast: convolutions and matmuls in bfloat16; CPUs with
     /// AVX-512 BF16 or AMX, and GPUs) or `fp16` (GPUs only). A model whose device cannot run
@@ -87,6 +96,7 @@ impl EngineFlags {
         Ok(EngineSettings {
             intra_op_threads: self.intra_op_threads,
             tf32: self.tf32,
+            onednn_fusion: self.onednn_fusion,
             onnxruntime_library: setup_library(
                 &self.onnxruntime_library,
                 env!("VISIONGATE_SETUP_ONNXRUNTIME_LIBRARY"),
@@ -130,6 +140,8 @@ pub struct EngineSettings {
     /// Intra-op threads per instance (libtorch's; ONNX Runtime's unless a config sets them).
     pub intra_op_threads: usize,
     pub tf32: Tf32,
+    /// oneDNN Graph's fuser for TorchScript on the CPU.
+    pub onednn_fusion: bool,
     /// The ONNX Runtime library (`None`: the dynamic linker's search).
     pub onnxruntime_library: Option<PathBuf>,
     /// OpenVINO's C API library (`None`: the dynamic linker's search).
@@ -221,6 +233,7 @@ fn add_libtorch(
             Tf32::On => Some(true),
             Tf32::Off => Some(false),
         },
+        onednn_fusion: settings.onednn_fusion,
         gpu_decode: (settings.gpu_decode.as_ref()).map(|g| (g.library.clone(), g.memory_bytes)),
     })
     .map_err(anyhow::Error::msg)?;

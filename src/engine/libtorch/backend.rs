@@ -18,6 +18,8 @@ pub struct Options {
     pub intra_op_threads: usize,
     /// TF32 for cuDNN convolutions and cuBLAS matmuls; `None`: libtorch's default.
     pub tf32: Option<bool>,
+    /// oneDNN Graph's fuser for TorchScript where libtorch has no GPU.
+    pub onednn_fusion: bool,
     /// JPEG decode on GPU instances: nvJPEG's library (`None`: the dynamic linker's
     /// search) and the device memory each instance's decoded images may hold at once.
     pub gpu_decode: Option<(Option<PathBuf>, u64)>,
@@ -59,6 +61,14 @@ impl Libtorch {
         if let Some(allow) = options.tf32 {
             cuda::set_allow_tf32(allow).map_err(|e| format!("--tf32: {e}"))?;
         }
+        // Not where libtorch has GPUs: the fuser's effect on graphs that run there (and on
+        // CPU instances beside them) has not been measured.
+        let fusion = options.onednn_fusion && gpus == 0;
+        cuda::set_onednn_fusion(fusion).map_err(|e| format!("--onednn-fusion: {e}"))?;
+        tracing::info!(
+            on = cuda::onednn_fusion(),
+            "oneDNN Graph fusion of TorchScript on the CPU"
+        );
         if gpus > 0 {
             let (cudnn, cublas) = cuda::allow_tf32();
             tracing::info!(

@@ -1,7 +1,7 @@
 //! What tch leaves out of libtorch, through `cuda_shim.cpp` (built by build.rs): TF32
 //! switches, a stream of its own per instance thread, CUDA events, so an instance times its
-//! batches and waits for its own stream instead of synchronizing the device, and autocast
-//! on the CPU as well as on CUDA.
+//! batches and waits for its own stream instead of synchronizing the device, autocast
+//! on the CPU as well as on CUDA, and oneDNN Graph's fuser for TorchScript on the CPU.
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ptr::NonNull;
 use std::time::Duration;
@@ -21,6 +21,8 @@ extern "C" {
     fn vg_cuda_event_elapsed_ms(start: *mut c_void, end: *mut c_void, ms: *mut f64) -> c_int;
     fn vg_autocast_enter(cuda: c_int, precision: c_int, previous: *mut c_int) -> c_int;
     fn vg_autocast_exit(cuda: c_int, previous: c_int) -> c_int;
+    fn vg_set_onednn_fusion(on: c_int) -> c_int;
+    fn vg_onednn_fusion() -> c_int;
 }
 
 fn last_error() -> String {
@@ -52,6 +54,20 @@ pub fn cuda_registered() -> (bool, bool) {
 pub fn set_allow_tf32(allow: bool) -> Result<(), String> {
     // SAFETY: sets two flags of libtorch's global context; no pointers involved.
     check(unsafe { vg_set_allow_tf32(c_int::from(allow)) })
+}
+
+/// Whether TorchScript graphs the profiling executor optimizes from now on have their CPU
+/// operators fused by oneDNN Graph (`torch.jit.enable_onednn_fusion`). Process-wide; set
+/// once at start-up, before any model loads.
+pub fn set_onednn_fusion(on: bool) -> Result<(), String> {
+    // SAFETY: registers or clears one of libtorch's graph passes; no pointers involved.
+    check(unsafe { vg_set_onednn_fusion(c_int::from(on)) })
+}
+
+/// Whether oneDNN Graph's fuser is on.
+pub fn onednn_fusion() -> bool {
+    // SAFETY: reads a flag; no pointers involved.
+    unsafe { vg_onednn_fusion() != 0 }
 }
 
 /// (cuDNN convolutions, cuBLAS matmuls): whether each may use TF32.
@@ -169,6 +185,14 @@ mod tests {
         assert_eq!(allow_tf32(), (false, false));
         set_allow_tf32(true).unwrap();
         assert_eq!(allow_tf32(), (true, true));
+    }
+
+    #[test]
+    fn onednn_fusion_switches_and_reads_back() {
+        set_onednn_fusion(true).unwrap();
+        assert!(onednn_fusion());
+        set_onednn_fusion(false).unwrap();
+        assert!(!onednn_fusion());
     }
 
     #[test]

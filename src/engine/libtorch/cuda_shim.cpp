@@ -1,7 +1,7 @@
 // What tch does not expose of libtorch, as a few C functions for src/engine/libtorch/cuda.rs: TF32
 // switches, a stream of its own per instance thread, CUDA events for timings (so an
 // instance waits for its own stream, never for the whole device), and autocast on the CPU
-// as well as on CUDA (tch's switch is CUDA's alone). Only device-generic c10 headers: no CUDA headers are needed to build it, and
+// as well as on CUDA (tch's switch is CUDA's alone), and oneDNN Graph's fuser for the CPU. Only device-generic c10 headers: no CUDA headers are needed to build it, and
 // on a machine without a GPU nothing here touches CUDA unless asked to.
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
@@ -10,6 +10,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/jit/codegen/onednn/interface.h>
 
 #include <cstring>
 #include <exception>
@@ -179,5 +180,20 @@ int vg_autocast_exit(int cuda, int previous) {
     return fail(e);
   }
 }
+
+// oneDNN Graph's fuser for TorchScript on the CPU (what torch.jit.enable_onednn_fusion
+// sets): registered as a pass of the profiling executor, it runs on each graph the executor
+// optimizes from then on. Process-wide.
+int vg_set_onednn_fusion(int on) {
+  try {
+    torch::jit::RegisterLlgaFuseGraph::setEnabled(on != 0);
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e);
+  }
+}
+
+// 1 where oneDNN Graph's fuser is on (as this file last set it), else 0.
+int vg_onednn_fusion() { return torch::jit::RegisterLlgaFuseGraph::isEnabled() ? 1 : 0; }
 
 }  // extern "C"
