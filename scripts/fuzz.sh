@@ -28,9 +28,20 @@ run() {
     -artifact_prefix="$artifacts/" -rss_limit_mb=3072 -timeout=20 -print_final_stats=1 "$@"
 }
 
+# Each build of a changed crate leaves its targets' executables (about 200 MB each) beside
+# the previous ones in deps/; the current ones are hard links of the top-level files, so a
+# target's executable with a single link is a stale one.
+prune_stale() {
+  local deps=$CARGO_TARGET_DIR/fuzz/x86_64-unknown-linux-gnu/release/deps t
+  for t in "${TARGETS[@]}"; do
+    find "$deps" -maxdepth 1 -type f -name "$t-*" ! -name '*.d' -links 1 -delete 2>/dev/null || true
+  done
+}
+
 case ${1:-smoke} in
   smoke)
     "$fuzz" build --fuzz-dir fuzz --target-dir "$CARGO_TARGET_DIR/fuzz"
+    prune_stale
     for t in "${TARGETS[@]}"; do
       log=$CARGO_TARGET_DIR/fuzz-artifacts/$t.log
       mkdir -p "${log%/*}"
