@@ -35,6 +35,8 @@ pub enum ErrorKind {
     DeadlineExceeded,
     /// The model failed on the batch the request's rows ran in (the log says why).
     ModelFailed,
+    /// Asks for something this server does not do (Triton's `UNSUPPORTED`).
+    Unsupported,
     Internal,
 }
 
@@ -48,7 +50,7 @@ const CLIENT_CLOSED_REQUEST: u16 = 499;
 
 impl ErrorKind {
     /// Every kind, for tables and tests.
-    pub const ALL: [ErrorKind; 16] = [
+    pub const ALL: [ErrorKind; 17] = [
         ErrorKind::InvalidInput,
         ErrorKind::UnsupportedMediaType,
         ErrorKind::PayloadTooLarge,
@@ -64,6 +66,7 @@ impl ErrorKind {
         ErrorKind::Cancelled,
         ErrorKind::DeadlineExceeded,
         ErrorKind::ModelFailed,
+        ErrorKind::Unsupported,
         ErrorKind::Internal,
     ];
 
@@ -85,6 +88,7 @@ impl ErrorKind {
             ErrorKind::Cancelled => "cancelled",
             ErrorKind::DeadlineExceeded => "deadline_exceeded",
             ErrorKind::ModelFailed => "model_failed",
+            ErrorKind::Unsupported => "unsupported",
             ErrorKind::Internal => "internal",
         }
     }
@@ -96,7 +100,7 @@ impl ErrorKind {
             }
             ErrorKind::PayloadTooLarge => tonic::Code::ResourceExhausted,
             ErrorKind::NotFound => tonic::Code::NotFound,
-            ErrorKind::MethodNotAllowed => tonic::Code::Unimplemented,
+            ErrorKind::MethodNotAllowed | ErrorKind::Unsupported => tonic::Code::Unimplemented,
             ErrorKind::Forbidden => tonic::Code::PermissionDenied,
             ErrorKind::NotReady
             | ErrorKind::ModelDown
@@ -129,6 +133,7 @@ impl ErrorKind {
                 .expect("499 is within the valid status range"),
             ErrorKind::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
             ErrorKind::ModelFailed | ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorKind::Unsupported => StatusCode::NOT_IMPLEMENTED,
         }
     }
 }

@@ -25,6 +25,7 @@ pub mod shm;
 pub mod shutdown;
 pub mod state;
 pub mod telemetry;
+pub mod trace;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -50,6 +50,8 @@ pub struct Config {
     pub server: ServerFlags,
     #[command(flatten)]
     pub log: LogFlags,
+    #[command(flatten)]
+    pub trace: crate::trace::TraceFlags,
     /// Triton's arguments that have no effect here: parsed, then logged as such.
     #[command(flatten)]
     pub no_effect: NoEffect,
@@ -112,7 +114,7 @@ impl Config {
             },
             exit_timeout: self.server.exit_timeout()?,
             exit_on_error: self.server.exit_on_error,
-            server: self.server.options(keys),
+            server: self.server.options(keys, self.trace.settings()?),
             decode_threads: self.decode.threads(),
             decode_memory: self.decode.memory(),
             http_workers: self.listen.http_workers(),
@@ -141,6 +143,18 @@ impl Config {
         }
         for setting in &metrics.unknown {
             tracing::warn!("--metrics-config {setting}: unknown setting, ignored");
+        }
+        for (flag, instead) in self.trace.deprecated() {
+            tracing::warn!(
+                "'{flag}' has been deprecated and will be removed in future releases. Please \
+                 use '--trace-config {instead}' instead."
+            );
+        }
+        if self.trace.given() {
+            tracing::warn!(
+                "--trace-config: read, and served by the trace settings API (/v2/trace/setting, \
+                 gRPC TraceSetting); requests are not recorded yet"
+            );
         }
     }
 
@@ -413,12 +427,7 @@ mod tests {
         // Every no-effect option given is named in the log, once.
         let c = parse(TRITONSERVER_OPTIONS).unwrap();
         let given = c.no_effect.given();
-        for flag in [
-            "--trace-config",
-            "--rate-limit",
-            "--allow-sagemaker",
-            "--host-policy",
-        ] {
+        for flag in ["--rate-limit", "--allow-sagemaker", "--host-policy"] {
             assert_eq!(
                 given.iter().filter(|(f, _)| *f == flag).count(),
                 1,
@@ -435,8 +444,6 @@ mod tests {
             ("--model-config-name=a b", "--model-config-name"),
             ("--rate-limit=sometimes", "--rate-limit"),
             ("--rate-limit-resource=R1", "--rate-limit-resource"),
-            ("--trace-level=LOUD", "--trace-level"),
-            ("--trace-config=level", "--trace-config"),
             (
                 "--sagemaker-safe-port-range=9-1",
                 "--sagemaker-safe-port-range",
@@ -477,6 +484,12 @@ mod tests {
                     "--grpc-server-key=/no/such/key.pem",
                 ],
                 "--grpc-server-cert /no/such/cert.pem",
+            ),
+            (vec!["--trace-level=LOUD"], "Bad option: \"--trace-level\""),
+            (vec!["--trace-config=level"], "--trace-config option format"),
+            (
+                vec!["--trace-config=rate=often"],
+                "Bad option: \"--trace-config rate\"",
             ),
         ] {
             let mut all = vec![format!("--model-repository={m}")];

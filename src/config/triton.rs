@@ -192,14 +192,6 @@ fn port_range(value: &str) -> Result<String, String> {
         .ok_or_else(|| format!("'{value}': expected <low port>-<high port>"))
 }
 
-/// `--trace-level`: Triton's words, any case.
-fn trace_level(value: &str) -> Result<String, String> {
-    match value.to_ascii_uppercase().as_str() {
-        "OFF" | "TIMESTAMPS" | "TENSORS" => Ok(value.to_string()),
-        _ => Err(format!("'{value}': expected OFF, TIMESTAMPS or TENSORS")),
-    }
-}
-
 /// `--rate-limit`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum RateLimit {
@@ -381,31 +373,6 @@ pub struct NoEffect {
     /// Triton's; accepted, no effect (no Vertex AI endpoint).
     #[arg(long)]
     pub vertex_ai_default_model: Option<String>,
-
-    /// Triton's `[<mode>,]<setting>=<value>` (repeatable); accepted, no effect yet:
-    /// visiongate does not trace requests.
-    #[arg(long, value_parser = group_setting, action = ArgAction::Append)]
-    pub trace_config: Vec<String>,
-
-    /// Triton's older trace arguments; accepted, no effect (see `--trace-config`).
-    #[arg(long)]
-    pub trace_file: Option<PathBuf>,
-
-    /// `OFF`, `TIMESTAMPS` or `TENSORS` (repeatable); see `--trace-file`.
-    #[arg(long, value_parser = trace_level, action = ArgAction::Append)]
-    pub trace_level: Vec<String>,
-
-    /// See `--trace-file`.
-    #[arg(long)]
-    pub trace_rate: Option<i64>,
-
-    /// See `--trace-file`.
-    #[arg(long, allow_negative_numbers = true)]
-    pub trace_count: Option<i64>,
-
-    /// See `--trace-file`.
-    #[arg(long)]
-    pub trace_log_frequency: Option<i64>,
 }
 
 impl NoEffect {
@@ -413,7 +380,6 @@ impl NoEffect {
     pub fn given(&self) -> Vec<(&'static str, &'static str)> {
         const NO_SAGEMAKER: &str = "visiongate serves no SageMaker endpoint";
         const NO_VERTEX: &str = "visiongate serves no Vertex AI endpoint";
-        const NO_TRACING: &str = "visiongate does not trace requests yet";
         const PING_POLICY: &str = "clients' HTTP/2 pings are answered; the connection limits \
                                    and timeouts (--grpc-idle-timeout-secs, ...) bound clients";
         const RATE: &str = "each instance runs its next batch as soon as it is free, and a \
@@ -587,16 +553,6 @@ impl NoEffect {
                     || self.vertex_ai_default_model.is_some(),
                 "--vertex-ai-port / --vertex-ai-thread-count / --vertex-ai-default-model",
                 NO_VERTEX,
-            ),
-            (!self.trace_config.is_empty(), "--trace-config", NO_TRACING),
-            (self.trace_file.is_some(), "--trace-file", NO_TRACING),
-            (!self.trace_level.is_empty(), "--trace-level", NO_TRACING),
-            (self.trace_rate.is_some(), "--trace-rate", NO_TRACING),
-            (self.trace_count.is_some(), "--trace-count", NO_TRACING),
-            (
-                self.trace_log_frequency.is_some(),
-                "--trace-log-frequency",
-                NO_TRACING,
             ),
         ];
         list.into_iter()

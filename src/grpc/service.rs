@@ -372,12 +372,25 @@ impl GrpcInferenceService for InferenceService {
 
     async fn trace_setting(
         &self,
-        _: Request<pb::TraceSettingRequest>,
+        request: Request<pb::TraceSettingRequest>,
     ) -> Result<Response<pb::TraceSettingResponse>, Status> {
-        Err(Status::unimplemented(
-            "trace settings are not supported by visiongate; use the Prometheus metrics on \
-             the metrics port and the server log (RUST_LOG)",
-        ))
+        let r = request.into_inner();
+        let model = Some(r.model_name.as_str()).filter(|m| !m.is_empty());
+        let view = kserve::trace_setting(&self.state, model, || {
+            if r.settings.is_empty() {
+                return Ok(None);
+            }
+            let settings = r
+                .settings
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.value.as_slice()));
+            crate::trace::api::update_from_grpc(settings).map(Some)
+        })?;
+        let settings = crate::trace::api::to_grpc(&view)
+            .into_iter()
+            .map(|(name, value)| (name, pb::trace_setting_response::SettingValue { value }))
+            .collect();
+        Ok(Response::new(pb::TraceSettingResponse { settings }))
     }
 
     async fn log_settings(

@@ -1,6 +1,7 @@
 //! The gRPC codec: prost's, except that a `ModelInferRequest` is first read in its wire
 //! form for what it will take once decoded and converted, and refused before prost builds
-//! anything when that is out of proportion to its size. A protobuf element can be tiny on
+//! anything when that is out of proportion to its size (and a `TraceSettingRequest` over
+//! 64 KiB is refused unread). A protobuf element can be tiny on
 //! the wire and large in memory: an empty `bytes_contents` element is 2 bytes there and
 //! about 40 decoded, a one-byte varint 8 bytes as an `int64`.
 use std::any::TypeId;
@@ -17,6 +18,11 @@ use super::pb;
 /// A decoded request may take this many times its wire size, plus [`SLACK`].
 const RATIO: usize = 3;
 const SLACK: usize = 16 << 20;
+
+/// The most bytes a trace settings request may have: a few settings of a few values each
+/// take well under 1 KiB, and a map of tiny entries takes many times its wire size once
+/// decoded.
+const MAX_TRACE_SETTING_REQUEST: usize = 64 << 10;
 
 /// The service's codec (named in `build.rs`).
 pub struct CheckedCodec<T, U>(PhantomData<(T, U)>);
@@ -61,6 +67,15 @@ where
             && buf.chunk().len() == buf.remaining()
         {
             check_infer_request(buf.chunk())?;
+        }
+        if TypeId::of::<U>() == TypeId::of::<pb::TraceSettingRequest>()
+            && buf.remaining() > MAX_TRACE_SETTING_REQUEST
+        {
+            return Err(Status::invalid_argument(format!(
+                "a trace settings request of {} bytes: at most {MAX_TRACE_SETTING_REQUEST} are \
+                 taken",
+                buf.remaining()
+            )));
         }
         self.0.decode(buf)
     }

@@ -30,8 +30,8 @@ pub fn configure(cfg: &mut web::ServiceConfig, state: web::Data<AppState>) {
         .app_data(web::PathConfig::default().error_handler(|err, _req| {
             GatewayError::new(ErrorKind::InvalidInput, format!("bad path: {err}")).into()
         }));
-    for route in routes::routes() {
-        cfg.service(route.resource());
+    for group in routes::by_path(routes::routes()) {
+        cfg.service(routes::resource(&group));
     }
     cfg.default_service(web::to(not_found));
 }

@@ -42,12 +42,17 @@ use super::{health, predict, shm, v2, v2_infer};
         shm::cuda_register,
         shm::cuda_unregister_all,
         shm::cuda_unregister,
+        v2::trace_setting,
+        v2::update_trace_setting,
+        v2::model_trace_setting,
+        v2::update_model_trace_setting,
     ),
     tags(
         (name = "predict", description = "Classify uploaded images"),
         (name = "health", description = "Liveness and readiness (KServe v2)"),
         (name = "kserve", description = "KServe v2 / Triton HTTP protocol"),
         (name = "repository", description = "Triton's model repository extension"),
+        (name = "trace", description = "Triton's trace extension: the trace settings, server-wide and per model"),
         (name = "shared memory", description = "Triton's system and CUDA shared memory extensions (`--allow-client-shm=true`)"),
     )
 )]
@@ -62,7 +67,10 @@ pub fn document() -> utoipa::openapi::OpenApi {
     // (`/v2/models/{model}/versions/{version}/...`).
     let per_model: Vec<(String, PathItem)> = paths
         .iter()
-        .filter(|(path, _)| path.starts_with("/v2/models/{model}"))
+        // (Not the trace setting: Triton serves it per model only.)
+        .filter(|(path, _)| {
+            path.starts_with("/v2/models/{model}") && !path.ends_with("/trace/setting")
+        })
         .map(|(path, item)| (path.clone(), item.clone()))
         .collect();
     for (path, item) in per_model {

@@ -159,6 +159,26 @@ pub fn routes() -> Vec<HttpRoute> {
             true,
             |r| r.to(shm::cuda_unregister),
         ),
+        route(get.clone(), "/v2/trace/setting", Api(Trace), true, |r| {
+            r.to(v2::trace_setting)
+        }),
+        route(post.clone(), "/v2/trace/setting", Api(Trace), true, |r| {
+            r.to(v2::update_trace_setting)
+        }),
+        route(
+            get.clone(),
+            "/v2/models/{model}/trace/setting",
+            Api(Trace),
+            true,
+            |r| r.to(v2::model_trace_setting),
+        ),
+        route(
+            post.clone(),
+            "/v2/models/{model}/trace/setting",
+            Api(Trace),
+            true,
+            |r| r.to(v2::update_model_trace_setting),
+        ),
         route(get.clone(), "/", Open, false, |r| r.to(index)),
         route(get.clone(), "/docs", Open, false, |r| r.to(docs_redirect)),
         route(get.clone(), "/docs/{file:.*}", Open, false, |r| {
@@ -188,40 +208,57 @@ pub fn routes() -> Vec<HttpRoute> {
     routes
 }
 
-impl HttpRoute {
-    /// The route's resource: its handler for its method, 405 (with `Allow`) for any other,
-    /// and its access checked before either.
-    pub fn resource(
-        &self,
-    ) -> actix_web::Resource<
-        impl actix_web::dev::ServiceFactory<
-            ServiceRequest,
-            Config = (),
-            Response = ServiceResponse<impl MessageBody>,
-            Error = actix_web::Error,
-            InitError = (),
-        >,
-    > {
-        let allow = self.method.clone();
-        web::resource(self.path.as_str())
-            .app_data(self.access)
-            .route((self.handler)(web::route().method(self.method.clone())))
-            .default_service(web::to(move |req: HttpRequest| {
-                let allow = allow.clone();
-                async move { method_not_allowed(&req, allow) }
-            }))
-            .wrap(from_fn(restrict))
+/// The routes grouped by path, in declaration order: one resource serves each path.
+pub fn by_path(routes: Vec<HttpRoute>) -> Vec<Vec<HttpRoute>> {
+    let mut groups: Vec<Vec<HttpRoute>> = Vec::new();
+    for route in routes {
+        match groups.iter_mut().find(|g| g[0].path == route.path) {
+            Some(group) => group.push(route),
+            None => groups.push(vec![route]),
+        }
     }
+    groups
+}
+
+/// One path's resource: each route's handler for its method, 405 (with `Allow`) for any
+/// other, and the path's access (its routes share one) checked before either.
+pub fn resource(
+    group: &[HttpRoute],
+) -> actix_web::Resource<
+    impl actix_web::dev::ServiceFactory<
+        ServiceRequest,
+        Config = (),
+        Response = ServiceResponse<impl MessageBody>,
+        Error = actix_web::Error,
+        InitError = (),
+    >,
+> {
+    let allow: Vec<Method> = group.iter().map(|r| r.method.clone()).collect();
+    let mut resource = web::resource(group[0].path.as_str()).app_data(group[0].access);
+    for route in group {
+        resource = resource.route((route.handler)(web::route().method(route.method.clone())));
+    }
+    resource
+        .default_service(web::to(move |req: HttpRequest| {
+            let allow = allow.clone();
+            async move { method_not_allowed(&req, &allow) }
+        }))
+        .wrap(from_fn(restrict))
 }
 
 /// A method the path does not serve: 405 with a JSON body and `Allow` (RFC 9110).
-fn method_not_allowed(req: &HttpRequest, allow: Method) -> HttpResponse {
+fn method_not_allowed(req: &HttpRequest, allow: &[Method]) -> HttpResponse {
+    let allow = allow
+        .iter()
+        .map(Method::as_str)
+        .collect::<Vec<_>>()
+        .join(", ");
     let error = GatewayError::new(
         ErrorKind::MethodNotAllowed,
         format!("{} {} is not served: use {allow}", req.method(), req.path()),
     );
     let mut response = actix_web::ResponseError::error_response(&error);
-    if let Ok(value) = allow.as_str().parse() {
+    if let Ok(value) = allow.parse() {
         response.headers_mut().insert(header::ALLOW, value);
     }
     response
@@ -356,6 +393,10 @@ mod tests {
                 Api(SharedMemory),
             ),
             (&get, "/v2/cudasharedmemory/status", Api(SharedMemory)),
+            (&get, "/v2/trace/setting", Api(Trace)),
+            (&post, "/v2/trace/setting", Api(Trace)),
+            (&get, "/v2/models/m/trace/setting", Api(Trace)),
+            (&post, "/v2/models/m/trace/setting", Api(Trace)),
             (&get, "/", Open),
             (&get, "/docs", Open),
             (&get, "/docs/index.html", Open),
@@ -367,11 +408,21 @@ mod tests {
     }
 
     #[test]
-    fn each_method_and_path_is_declared_once() {
+    fn each_method_and_path_is_declared_once_and_a_path_has_one_access() {
         let routes = routes();
         for (i, a) in routes.iter().enumerate() {
             for b in &routes[i + 1..] {
-                assert!(a.path != b.path, "{} is declared twice", a.path);
+                assert!(
+                    a.path != b.path || a.method != b.method,
+                    "{} {} is declared twice",
+                    a.method,
+                    a.path
+                );
+                assert!(
+                    a.path != b.path || a.access == b.access,
+                    "{}: its methods' accesses differ (one resource serves a path)",
+                    a.path
+                );
             }
         }
     }

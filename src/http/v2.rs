@@ -109,6 +109,81 @@ pub async fn model_ready(
     })
 }
 
+/// `{model}` of a per-model trace setting's path (Triton serves no per-version one).
+#[derive(Deserialize)]
+pub struct TraceModelPath {
+    model: String,
+}
+
+/// The trace setting a model traces by (its own, else the server-wide one), as Triton's
+/// trace extension answers: every value a string but `trace_level`'s list.
+#[utoipa::path(get, path = "/v2/models/{model}/trace/setting", tag = "trace",
+    params(("model" = String, Path, description = "Model name")),
+    responses(
+        (status = 200, description = "The trace setting", body = Object),
+        (status = 400, description = "Unknown model", body = ErrorBody),
+    ))]
+pub async fn model_trace_setting(
+    path: web::Path<TraceModelPath>,
+    state: web::Data<AppState>,
+) -> Result<HttpResponse, GatewayError> {
+    trace_answer(&state, Some(&path.model), None)
+}
+
+/// Changes a model's trace setting: a JSON object of the settings to change (`trace_level`
+/// a list of `OFF`, `TIMESTAMPS`, `TENSORS`; `trace_rate`, `trace_count`, `log_frequency`
+/// strings), `null` to go back to the server-wide value; answers the setting then in force.
+#[utoipa::path(post, path = "/v2/models/{model}/trace/setting", tag = "trace",
+    params(("model" = String, Path, description = "Model name")),
+    request_body(content = Option<Object>, description = "The settings to change (optional)"),
+    responses(
+        (status = 200, description = "The trace setting", body = Object),
+        (status = 400, description = "Unknown model, or a malformed or invalid setting", body = ErrorBody),
+        (status = 501, description = "`trace_file` cannot be changed", body = ErrorBody),
+    ))]
+pub async fn update_model_trace_setting(
+    path: web::Path<TraceModelPath>,
+    state: web::Data<AppState>,
+    body: web::Bytes,
+) -> Result<HttpResponse, GatewayError> {
+    trace_answer(&state, Some(&path.model), Some(&body))
+}
+
+/// The server-wide trace setting (`--trace-config`, as changed since).
+#[utoipa::path(get, path = "/v2/trace/setting", tag = "trace",
+    responses((status = 200, description = "The trace setting", body = Object)))]
+pub async fn trace_setting(state: web::Data<AppState>) -> Result<HttpResponse, GatewayError> {
+    trace_answer(&state, None, None)
+}
+
+/// Changes the server-wide trace setting (as a model's; `null` goes back to the
+/// `--trace-config` value).
+#[utoipa::path(post, path = "/v2/trace/setting", tag = "trace",
+    request_body(content = Option<Object>, description = "The settings to change (optional)"),
+    responses(
+        (status = 200, description = "The trace setting", body = Object),
+        (status = 400, description = "A malformed or invalid setting", body = ErrorBody),
+        (status = 501, description = "`trace_file` cannot be changed", body = ErrorBody),
+    ))]
+pub async fn update_trace_setting(
+    state: web::Data<AppState>,
+    body: web::Bytes,
+) -> Result<HttpResponse, GatewayError> {
+    trace_answer(&state, None, Some(&body))
+}
+
+/// The trace setting `model` (`None`: the server) goes by, after the update in `body`.
+fn trace_answer(
+    state: &AppState,
+    model: Option<&str>,
+    body: Option<&[u8]>,
+) -> Result<HttpResponse, GatewayError> {
+    let view = kserve::trace_setting(state, model, || {
+        body.map(crate::trace::api::update_from_json).transpose()
+    })?;
+    Ok(HttpResponse::Ok().json(crate::trace::api::to_json(&view)))
+}
+
 #[derive(Serialize, utoipa::ToSchema)]
 pub struct StatsResponse {
     model_stats: Vec<kserve::ModelStatistics>,

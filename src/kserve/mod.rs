@@ -87,6 +87,32 @@ pub fn resolve(
     Ok(state.registry.model_version(model, version)?)
 }
 
+/// Triton's trace extension, for both transports: the setting `model` traces by (`None`:
+/// the server-wide one) after the update `read` reads from the request (none: read only).
+/// A model must be ready, as Triton asks (its words when not), and is checked before the
+/// update is read.
+pub fn trace_setting(
+    state: &AppState,
+    model: Option<&str>,
+    read: impl FnOnce() -> Result<Option<crate::trace::setting::Update>, GatewayError>,
+) -> Result<crate::trace::setting::View, GatewayError> {
+    if let Some(name) = model {
+        if !state.registry.model(name).is_ok_and(|m| m.is_ready()) {
+            return Err(GatewayError::invalid(format!(
+                "Request for unknown model : {}",
+                name.chars().take(256).collect::<String>()
+            )));
+        }
+    }
+    let settings = &state.server.trace;
+    match read()? {
+        None => Ok(settings.get(model)),
+        Some(update) => settings
+            .update(model, &update)
+            .map_err(|e| GatewayError::invalid(e.to_string())),
+    }
+}
+
 /// Triton's datatype names: the config's `TYPE_X` without the prefix, `STRING` as `BYTES`.
 pub fn datatype_name(t: pb::DataType) -> String {
     match t {

@@ -347,12 +347,13 @@ pub struct ServerFlags {
 }
 
 impl ServerFlags {
-    pub fn options(&self, keys: ApiKeys) -> ServerOptions {
+    pub fn options(&self, keys: ApiKeys, trace: crate::trace::TraceConfig) -> ServerOptions {
         ServerOptions {
             id: self.id.clone(),
             strict_readiness: self.strict_readiness,
             allow_client_shm: self.allow_client_shm,
             keys,
+            trace: std::sync::Arc::new(crate::trace::TraceSettings::new(trace)),
         }
     }
 

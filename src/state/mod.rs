@@ -132,6 +132,8 @@ pub struct ServerOptions {
     pub allow_client_shm: bool,
     /// Restricted endpoints per transport.
     pub keys: ApiKeys,
+    /// The trace settings in force (Triton's trace extension reads and changes them).
+    pub trace: Arc<crate::trace::TraceSettings>,
 }
 
 impl Default for ServerOptions {
@@ -141,6 +143,11 @@ impl Default for ServerOptions {
             strict_readiness: true,
             allow_client_shm: false,
             keys: ApiKeys::default(),
+            trace: Arc::new(crate::trace::TraceSettings::new(
+                crate::trace::TraceFlags::default()
+                    .settings()
+                    .expect("the trace arguments' defaults are valid"),
+            )),
         }
     }
 }

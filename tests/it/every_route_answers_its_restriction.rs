@@ -24,7 +24,7 @@ fn concrete(pattern: &str) -> String {
 async fn each_route_is_restricted_by_its_category() {
     let mut config = Config::for_tests();
     config.access.http_restricted_api = vec![
-        "health,metadata,inference,shared-memory,model-config,model-repository,statistics:\
+        "health,metadata,inference,shared-memory,model-config,model-repository,statistics,trace:\
          the-key=s3cret"
             .to_string(),
     ];

@@ -282,17 +282,14 @@ def test_grpc_stream_infer_answers_each_request(server, photos, predicted):
         assert result.as_numpy("output__0").argmax() == predicted[i]
 
 
-def test_grpc_trace_and_log_are_unimplemented_with_a_message(server):
-    # Shared memory, system and CUDA, is served (test_shared_memory.py).
+def test_grpc_log_settings_are_unimplemented_with_a_message(server):
+    # Shared memory, system and CUDA, is served (test_shared_memory.py); trace settings too
+    # (test_trace_settings.py).
     c = grpcclient.InferenceServerClient(server.grpc_url)
-    for call, needle in [
-        (c.get_trace_settings, "metrics"),
-        (c.get_log_settings, "RUST_LOG"),
-    ]:
-        with pytest.raises(InferenceServerException) as e:
-            call()
-        assert str(e.value.status()) == "StatusCode.UNIMPLEMENTED"
-        assert needle in e.value.message(), e.value.message()
+    with pytest.raises(InferenceServerException) as e:
+        c.get_log_settings()
+    assert str(e.value.status()) == "StatusCode.UNIMPLEMENTED"
+    assert "RUST_LOG" in e.value.message(), e.value.message()
 
 
 def test_http_raw_binary_body_is_the_single_input(server, photos, predicted):

@@ -379,9 +379,14 @@ def test_every_tritonserver_option_at_once_starts_and_serves(server, all_photos,
                      "--grpc-max-response-pool-size", "--grpc-keepalive-permit-without-calls",
                      "--grpc-http2-max-pings-without-data", "--grpc-http2-min-recv-ping-interval-without-data",
                      "--grpc-http2-max-ping-strikes", "--sagemaker-port", "--vertex-ai-port",
-                     "--trace-config", "--trace-file", "--trace-level", "--trace-rate", "--trace-count",
-                     "--trace-log-frequency", "--log-format=default"):
+                     "--log-format=default"):
             assert f"{flag}: accepted, no effect" in log or f"{flag} /" in log, flag
+        # The trace arguments make the server's trace setting (requests are not recorded yet).
+        assert "--trace-config: read" in log
+        setting = requests.get(s.base + "/v2/trace/setting", timeout=10).json()
+        assert setting == {"trace_level": ["TIMESTAMPS"], "trace_rate": "1000", "trace_count": "-1",
+                           "log_frequency": "0", "trace_file": str(tmp_path / "trace.json"),
+                           "trace_mode": "triton"}
     finally:
         s.stop()
 
