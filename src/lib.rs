@@ -58,6 +58,8 @@ pub struct Gateway {
     background: CancellationToken,
     /// A repository poll under way finishes its loads before the models stop.
     poll_task: Option<tokio::task::JoinHandle<()>>,
+    /// OpenTelemetry mode's span exporter, which sends what is queued as the server stops.
+    trace_export: Option<trace::export::ExportTask>,
     exit_timeout: Duration,
 }
 
@@ -99,6 +101,10 @@ impl Gateway {
         ));
         let background = CancellationToken::new();
         let poll_task = spawn_background(&settings, &state, &background);
+        let trace_export = state
+            .server
+            .trace
+            .start_export(state.metrics.trace_spans_dropped.clone());
         let (http, grpc, metrics) = start_listeners(&settings, &state, &background).await?;
         Ok(Gateway {
             http_addr: http.as_ref().map(|l| l.addr),
@@ -110,6 +116,7 @@ impl Gateway {
             metrics,
             background,
             poll_task,
+            trace_export,
             exit_timeout: settings.exit_timeout,
         })
     }
@@ -185,6 +192,12 @@ impl Gateway {
             let _ = poll.await;
         }
         self.state.registry.stop_models().await;
+        // The traces of the last requests: the trace file's, and the spans still queued.
+        self.state.server.trace.flush();
+        if let Some(export) = self.trace_export {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            export.stop(left.max(Duration::from_secs(1))).await;
+        }
         let regions = self.state.shared_memory.close_all();
         if regions > 0 {
             tracing::info!(regions, "shared-memory regions closed");

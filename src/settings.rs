@@ -144,16 +144,26 @@ impl Config {
         for setting in &metrics.unknown {
             tracing::warn!("--metrics-config {setting}: unknown setting, ignored");
         }
+        if self.trace.given() {
+            if let Ok(c) = self.trace.settings() {
+                let to = match c.mode {
+                    crate::trace::Mode::Triton => format!("the trace file '{}'", c.file),
+                    crate::trace::Mode::OpenTelemetry => format!("OTLP/HTTP at {}", c.otel.url),
+                };
+                tracing::info!(
+                    "--trace-config: tracing {} mode to {to}, level {:?}, every {}-th request, \
+                     count {}",
+                    c.mode.name(),
+                    c.level.names(),
+                    c.rate,
+                    c.count
+                );
+            }
+        }
         for (flag, instead) in self.trace.deprecated() {
             tracing::warn!(
                 "'{flag}' has been deprecated and will be removed in future releases. Please \
                  use '--trace-config {instead}' instead."
-            );
-        }
-        if self.trace.given() {
-            tracing::warn!(
-                "--trace-config: read, and served by the trace settings API (/v2/trace/setting, \
-                 gRPC TraceSetting); requests are not recorded yet"
             );
         }
     }

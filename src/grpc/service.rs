@@ -2,6 +2,7 @@
 //! NOT_FOUND before its inputs are looked at) and converts the answer.
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Instant;
 
 use futures_util::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
@@ -12,12 +13,53 @@ use crate::error::GatewayError;
 use crate::kserve;
 use crate::shm::ShmKind;
 use crate::state::{
-    load_parameters, unload_parameters, AppState, ControlParam, Drain, Restrictions,
+    load_parameters, unload_parameters, AppState, ControlParam, Drain, Restrictions, ServedModel,
 };
+use crate::trace::{Context, Stamp, Trace};
 
 #[derive(Clone)]
 pub struct InferenceService {
     state: Arc<AppState>,
+}
+
+/// The caller's W3C trace context, where the call's metadata carries one that parses.
+fn trace_context(metadata: &tonic::metadata::MetadataMap) -> Option<Context> {
+    let value = |name: &str| metadata.get(name).and_then(|v| v.to_str().ok());
+    Context::parse(value("traceparent")?, value("tracestate"))
+}
+
+/// A `ModelInferRequest` run on `served` and its response, recorded into its `trace` where
+/// sampled: Triton's gRPC timestamps, the wait for the request ending as it reached the
+/// service (`read`: its message already whole), the send as the response is built (tonic
+/// writes it after).
+async fn infer_traced(
+    state: &AppState,
+    served: &ServedModel,
+    r: pb::ModelInferRequest,
+    trace: Option<Trace>,
+    read: Instant,
+) -> Result<pb::ModelInferResponse, Status> {
+    if let Some(t) = &trace {
+        t.stamp_at(Stamp::GrpcWaitreadStart, read);
+        t.stamp_at(Stamp::GrpcWaitreadEnd, read);
+    }
+    let answer = async {
+        let request = convert::infer_request(r)?;
+        // A client that cancels drops this future, and with it the request's queued rows.
+        kserve::infer(state, served, request, trace.as_ref()).await
+    }
+    .await;
+    let Some(t) = &trace else {
+        return Ok(convert::infer_response(answer?));
+    };
+    match &answer {
+        Ok(_) => t.stamp(Stamp::InferResponseComplete),
+        Err(e) => t.fail(&e.to_string()),
+    }
+    t.stamp(Stamp::GrpcSendStart);
+    let response = answer.map(convert::infer_response);
+    t.stamp(Stamp::GrpcSendEnd);
+    Ok(response?)
 }
 
 impl InferenceService {
@@ -116,14 +158,15 @@ impl GrpcInferenceService for InferenceService {
         &self,
         request: Request<pb::ModelInferRequest>,
     ) -> Result<Response<pb::ModelInferResponse>, Status> {
-        // Admitted by the drain as its headers arrived (`conn::Calls`).
-        let r = request.into_inner();
+        // Admitted by the drain as its headers arrived (`conn::Calls`), read whole by the
+        // codec before it gets here.
+        let read = Instant::now();
+        let (metadata, _, r) = request.into_parts();
         // The model first: an unknown model is NOT_FOUND whatever its inputs look like.
         let served = kserve::resolve(&self.state, &r.model_name, version(&r.model_version))?;
-        let request = convert::infer_request(r)?;
-        // A client that cancels drops this future, and with it the request's queued rows.
-        let response = kserve::infer(&self.state, &served, request).await?;
-        Ok(Response::new(convert::infer_response(response)))
+        let trace = kserve::start_trace(&self.state, &served, &r.id, || trace_context(&metadata));
+        let response = infer_traced(&self.state, &served, r, trace, read).await?;
+        Ok(Response::new(response))
     }
 
     type ModelStreamInferStream = StreamInferResponses;
@@ -136,23 +179,28 @@ impl GrpcInferenceService for InferenceService {
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
         let state = self.state.clone();
         let closing = self.state.drain.closing();
-        let requests = request.into_inner();
+        // The stream's context is its call's: every request of it is the caller span's child.
+        let (metadata, _, requests) = request.into_parts();
+        let metadata = Arc::new(metadata);
         let responses = requests.then(move |r| {
             let state = state.clone();
+            let metadata = metadata.clone();
             async move {
                 let r = r?;
                 let id = r.id.clone();
                 let answer = async {
+                    let read = Instant::now();
                     let _work = state.drain.admit().map_err(GatewayError::from)?;
                     let served = kserve::resolve(&state, &r.model_name, version(&r.model_version))?;
-                    let request = convert::infer_request(r)?;
-                    Ok::<_, Status>(kserve::infer(&state, &served, request).await?)
+                    let trace =
+                        kserve::start_trace(&state, &served, &r.id, || trace_context(&metadata));
+                    infer_traced(&state, &served, r, trace, read).await
                 }
                 .await;
                 Ok(match answer {
                     Ok(response) => pb::ModelStreamInferResponse {
                         error_message: String::new(),
-                        infer_response: Some(convert::infer_response(response)),
+                        infer_response: Some(response),
                     },
                     Err(status) => pb::ModelStreamInferResponse {
                         error_message: status.message().to_string(),

@@ -22,6 +22,7 @@ use crate::pipeline::Encoded;
 use crate::preprocess::PreprocessError;
 use crate::scheduler::{BatchFailed, OneByOne, RowFailure, RowOutput};
 use crate::state::AppState;
+use crate::trace::{Stamp, Value};
 
 const DEFAULT_MODEL: &str = "ensemble_model";
 const DEFAULT_TOP_K: usize = 5;
@@ -222,6 +223,15 @@ async fn classify(
         top_k,
         logits: false,
     };
+    let trace = state
+        .server
+        .trace
+        .start(pipeline.name.as_str(), pipeline.version.0, "", || {
+            super::v2_infer::trace_context(&req)
+        });
+    if let Some(t) = &trace {
+        t.stamp_at(Stamp::HttpRecvStart, started);
+    }
     // The reader streams the body into this channel, one entry per file part (tagged with
     // its name), paced by the decoding (so the upload slows down instead of piling up in
     // memory); its error, if any, ends the request at once through `abort`.
@@ -246,12 +256,44 @@ async fn classify(
         OneByOne,
         tokio_stream::wrappers::ReceiverStream::new(files_rx),
         abort,
+        trace.as_ref(),
     ));
     let outputs = match futures_util::future::select(run, reader).await {
         // Refused or failed: the rest of the upload is not read.
-        Either::Left((outputs, _)) => outputs?,
-        Either::Right(((), run)) => run.await?,
+        Either::Left((outputs, _)) => outputs,
+        Either::Right(((), run)) => {
+            // The upload is read whole (its first images are decoding, or done, by now).
+            if let Some(t) = &trace {
+                t.stamp(Stamp::HttpRecvEnd);
+            }
+            run.await
+        }
     };
+    if let Some(t) = &trace {
+        match &outputs {
+            Ok(_) => t.stamp(Stamp::InferResponseComplete),
+            Err(e) => {
+                t.fail(&e.to_string());
+                t.stamp(Stamp::HttpSendStart);
+                t.stamp(Stamp::HttpSendEnd);
+            }
+        }
+    }
+    let outputs = outputs?;
+    if let Some(t) = &trace {
+        t.stamp(Stamp::HttpSendStart);
+        for (place, (_, output)) in outputs.iter().enumerate() {
+            if let Err(failure) = output {
+                t.event(
+                    "row_failed",
+                    vec![
+                        ("file", Value::Int(place as i64)),
+                        ("code", Value::Text(failure.code().to_string())),
+                    ],
+                );
+            }
+        }
+    }
     let label = |class: u32| {
         pipeline
             .labels
@@ -292,7 +334,7 @@ async fn classify(
 
     let total_sec = started.elapsed().as_secs_f64();
     let total_images = results.len();
-    Ok(HttpResponse::Ok().json(PredictResponse {
+    let response = HttpResponse::Ok().json(PredictResponse {
         model: pipeline.name.to_string(),
         model_version: pipeline.version.to_string(),
         results,
@@ -301,7 +343,11 @@ async fn classify(
             total_sec,
             average_latency_per_image_ms: total_sec * 1000.0 / total_images as f64,
         },
-    }))
+    });
+    if let Some(t) = &trace {
+        t.stamp(Stamp::HttpSendEnd);
+    }
+    Ok(response)
 }
 
 /// Streams the multipart body into `files`: each complete file part, tagged with its name

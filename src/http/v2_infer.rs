@@ -20,6 +20,8 @@ use crate::error::{ErrorBody, ErrorKind, GatewayError};
 use crate::kserve::{self, DataType, InferRequest, InputTensor};
 use crate::repository::ModelKind;
 use crate::state::{AppState, ServedModel, UploadLimits};
+use crate::trace::{Context, Stamp};
+use std::time::Instant;
 
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
 
@@ -69,9 +71,11 @@ async fn run(
     payload: web::Payload,
     state: web::Data<AppState>,
 ) -> Result<HttpResponse, GatewayError> {
+    let recv_start = Instant::now();
     // Resolved once, first: an unknown model is 404 whatever the body holds.
     let served = kserve::resolve(&state, &model, version.as_deref())?;
     let body = read_body(payload, &state.limits).await?;
+    let recv_end = Instant::now();
     let header_len = match req.headers().get(HEADER_LENGTH) {
         None => None,
         Some(v) => Some(
@@ -87,12 +91,35 @@ async fn run(
         Some(0) => (raw_request(&served, &model, body)?, false),
         _ => parse_request(model, body, header_len)?,
     };
+    // Sampled once the request is read: its id is the trace's.
+    let trace = kserve::start_trace(&state, &served, &request.request.id, || trace_context(&req));
+    if let Some(t) = &trace {
+        t.stamp_at(Stamp::HttpRecvStart, recv_start);
+        t.stamp_at(Stamp::HttpRecvEnd, recv_end);
+    }
     // A client that leaves drops its request (its queued rows never run).
     let response = tokio::select! {
-        r = kserve::infer(&state, &served, request.request) => r?,
-        () = client::gone(&req) => return Err(client::left()),
+        r = kserve::infer(&state, &served, request.request, trace.as_ref()) => r,
+        () = client::gone(&req) => Err(client::left()),
     };
-    Ok(write_response(response, &request.binary, binary_outputs))
+    if let Some(t) = &trace {
+        match &response {
+            Ok(_) => t.stamp(Stamp::InferResponseComplete),
+            Err(e) => t.fail(&e.to_string()),
+        }
+        t.stamp(Stamp::HttpSendStart);
+    }
+    let response = response.map(|r| write_response(r, &request.binary, binary_outputs));
+    if let Some(t) = &trace {
+        t.stamp(Stamp::HttpSendEnd);
+    }
+    response
+}
+
+/// The caller's W3C trace context, where its headers carry one that parses.
+pub(crate) fn trace_context(req: &HttpRequest) -> Option<Context> {
+    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
+    Context::parse(header("traceparent")?, header("tracestate"))
 }
 
 async fn read_body(payload: web::Payload, limits: &UploadLimits) -> Result<Bytes, GatewayError> {

@@ -7,6 +7,7 @@
 //! The protocol has no per-row errors: a row that cannot be decoded fails the request with
 //! `InvalidInput` naming the row. Batches are not limited to `max_batch_size`: the
 //! scheduler cuts a large request into batches that run on every instance.
+use crate::trace::Trace;
 use bytes::Bytes;
 use futures_util::StreamExt;
 
@@ -95,11 +96,12 @@ impl HasKind for BadRow {
 }
 
 /// Runs `req` on `served` (the model the transport resolved from the request's name and
-/// version).
+/// version), recording into its `trace` where it is sampled.
 pub async fn infer(
     state: &AppState,
     served: &ServedModel,
     mut req: InferRequest,
+    trace: Option<&Trace>,
 ) -> Result<InferResponse, GatewayError> {
     let model = served.repository_model();
     let (input_name, output_name) = io_names(model);
@@ -137,6 +139,7 @@ pub async fn infer(
                     Together,
                     futures_util::stream::iter(images),
                     std::future::pending(),
+                    trace,
                 )
                 .await;
             let rows = answered(rows, &input.name, &req.model)?;
@@ -151,6 +154,7 @@ pub async fn infer(
                 options: req.options,
                 format: RowFormat::TensorF32,
                 want,
+                trace: trace.cloned(),
             };
             let rows = futures_util::stream::iter(rows).map(|row| RowIn::Row((), row));
             let rows = handle.run(request, Together, rows).await;
@@ -184,7 +188,8 @@ pub async fn infer(
                 max_rows
             };
             let images = image_rows(input, &req.model, limit)?;
-            let rows = decode_all(state, preprocess, images, &input.name, &req.model).await?;
+            let rows =
+                decode_all(state, preprocess, images, &input.name, &req.model, trace).await?;
             preprocessed_outputs(&wanted, &rows, preprocess, normalize, &req.model)?
         }
     };
@@ -370,6 +375,7 @@ async fn decode_all(
     images: ImageRows,
     input: &str,
     model: &str,
+    trace: Option<&Trace>,
 ) -> Result<Vec<Bytes>, GatewayError> {
     let n = images.left;
     let images = futures_util::stream::iter(images.enumerate()).map(|(i, bytes)| Encoded {
@@ -377,7 +383,7 @@ async fn decode_all(
         image: Ok(bytes),
     });
     // Decoded here whatever the classifier's instances do: the output is the host's tensor.
-    let decoding = pipeline::decode(&state.pool, settings, false, images);
+    let decoding = pipeline::decode(&state.pool, settings, false, images, trace.cloned());
     let mut decoding = std::pin::pin!(decoding);
     let mut rows = Vec::with_capacity(n);
     while let Some(decoded) = decoding.next().await {

@@ -26,7 +26,7 @@ use crate::state::{AppState, ServedModel};
 pub const SERVER_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The protocol extensions this server implements, as reported in server metadata.
-pub const EXTENSIONS: [&str; 7] = [
+pub const EXTENSIONS: [&str; 8] = [
     "classification",
     "binary_tensor_data",
     "statistics",
@@ -34,6 +34,7 @@ pub const EXTENSIONS: [&str; 7] = [
     "model_repository",
     "system_shared_memory",
     "cuda_shared_memory",
+    "trace",
 ];
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize, utoipa::ToSchema)]
@@ -104,13 +105,28 @@ pub fn trace_setting(
             )));
         }
     }
-    let settings = &state.server.trace;
+    let settings = &state.server.trace.settings;
     match read()? {
         None => Ok(settings.get(model)),
         Some(update) => settings
             .update(model, &update)
             .map_err(|e| GatewayError::invalid(e.to_string())),
     }
+}
+
+/// The trace of a request of `served` where the trace setting samples it; `context` is
+/// the caller's (`traceparent`, `tracestate`).
+pub fn start_trace(
+    state: &AppState,
+    served: &ServedModel,
+    request_id: &str,
+    context: impl FnOnce() -> Option<crate::trace::Context>,
+) -> Option<crate::trace::Trace> {
+    let model = served.repository_model();
+    state
+        .server
+        .trace
+        .start(model.name.as_str(), model.version.0, request_id, context)
 }
 
 /// Triton's datatype names: the config's `TYPE_X` without the prefix, `STRING` as `BYTES`.

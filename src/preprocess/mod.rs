@@ -33,7 +33,7 @@ pub use batch::{decode_rows, BatchDecoder, DeviceDecode};
 pub use budget::DecodeBudget;
 pub use flags::{decode_threads, DecodeFlags};
 pub use jpeg::CpuReason;
-pub use pool::PreprocessPool;
+pub use pool::{Decoded, PreprocessPool};
 
 use budget::Reserved;
 

@@ -3,6 +3,7 @@
 //! with work in turn, so a single image is not queued behind all of a large upload's.
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
 
 use bytes::Bytes;
 use prometheus::IntGauge;
@@ -12,7 +13,7 @@ use super::{prepare, DecodeBudget, PreprocessError, PreprocessSettings, Row};
 use crate::cores::Cores;
 use crate::telemetry::Metrics;
 
-type Reply = oneshot::Sender<Result<Row, PreprocessError>>;
+type Reply = oneshot::Sender<Decoded>;
 
 struct Task {
     bytes: Bytes,
@@ -142,6 +143,15 @@ impl PreprocessPool {
     }
 }
 
+/// An image as a decode thread prepared it: its row, or why it cannot be used; when the
+/// thread worked on it.
+#[derive(Debug)]
+pub struct Decoded {
+    pub row: Result<Row, PreprocessError>,
+    pub started: Instant,
+    pub ended: Instant,
+}
+
 /// One request's images on the pool; those still waiting are dropped with it.
 pub struct Flow {
     pool: PreprocessPool,
@@ -156,7 +166,7 @@ impl Flow {
         bytes: Bytes,
         settings: Arc<PreprocessSettings>,
         gpu: bool,
-    ) -> oneshot::Receiver<Result<Row, PreprocessError>> {
+    ) -> oneshot::Receiver<Decoded> {
         let (reply, rx) = oneshot::channel();
         let _pending = Pending::new(&self.pool.shared.pending);
         let mut q = self.pool.shared.lock();
@@ -200,11 +210,17 @@ fn worker(shared: &Shared, metrics: &Arc<Metrics>, budget: &Arc<DecodeBudget>, c
             continue; // nobody waits for it (client went away)
         }
         let core = cores.decode();
-        let result = prepare(bytes, &settings, gpu, budget, metrics);
+        let started = Instant::now();
+        let row = prepare(bytes, &settings, gpu, budget, metrics);
+        let ended = Instant::now();
         drop(core);
         // Done before its row is handed on: a caller holding the row sees it counted out.
         drop(pending);
-        let _ = reply.send(result);
+        let _ = reply.send(Decoded {
+            row,
+            started,
+            ended,
+        });
     }
 }
 
@@ -261,10 +277,10 @@ mod tests {
         let flow = pool.flow();
         let good = flow.submit(png(4, [9, 8, 7]), settings(), false);
         let bad = flow.submit(Bytes::from_static(b"nope"), settings(), false);
-        let row = pixels(good.await.unwrap().unwrap());
+        let row = pixels(good.await.unwrap().row.unwrap());
         assert_eq!(row.len(), 8 * 8 * 3);
         assert_eq!(&row[..3], &[9, 8, 7]);
-        assert_eq!(bad.await.unwrap().unwrap_err().code(), "invalid_image");
+        assert_eq!(bad.await.unwrap().row.unwrap_err().code(), "invalid_image");
     }
 
     #[tokio::test]
@@ -282,7 +298,7 @@ mod tests {
             .map(|_| large.submit(photo.clone(), settings(), false))
             .collect();
         let one = single.submit(small, settings(), false);
-        one.await.unwrap().unwrap();
+        one.await.unwrap().row.unwrap();
         // The single image was decoded within the first few of the large upload's.
         let mut done = 0;
         for mut rx in big {
@@ -295,7 +311,7 @@ mod tests {
         // Once a flow is dropped (its images waiting with it), the pool goes on.
         drop(large);
         let again = single.submit(png(4, [7, 7, 7]), settings(), false);
-        assert_eq!(&pixels(again.await.unwrap().unwrap())[..3], &[7, 7, 7]);
+        assert_eq!(&pixels(again.await.unwrap().row.unwrap())[..3], &[7, 7, 7]);
     }
 
     #[tokio::test]
@@ -318,7 +334,7 @@ mod tests {
             "{now} pending with {before}..{after} of 11 answered"
         );
         let one = all.pop().unwrap();
-        one.await.unwrap().unwrap();
+        one.await.unwrap().row.unwrap();
         assert!(pending() < 11);
         // The large request leaves: its waiting images stop counting, and the one decoding
         // as it finishes.

@@ -23,6 +23,7 @@ pub(super) struct Slot {
 
 pub(super) struct InstanceContext {
     pub model: String,
+    pub version: u64,
     pub series: ModelSeries,
     /// The host's cores, which a CPU instance shares with the decode threads.
     pub cores: Arc<Cores>,
@@ -80,9 +81,11 @@ pub(super) fn instance_loop(
 /// Returns false if the engine (or the JPEG decoder) panicked.
 fn run_batch(ctx: &InstanceContext, stages: &mut Stages, batch: Batch) -> bool {
     crate::memory::note_activity();
+    let started = std::time::Instant::now();
     // Only this batch's rows fail; the other rows of their requests are unaffected.
     let fail = |message: String| {
         tracing::error!(model = ctx.model, instance = %ctx.id, %message, "batch failed");
+        trace_batch(ctx, &batch, started, None, Some(&message));
         for (job, range) in &batch.parts {
             job.fail_rows(
                 range.clone(),
@@ -166,6 +169,7 @@ fn run_batch(ctx: &InstanceContext, stages: &mut Stages, batch: Batch) -> bool {
     };
     // On the CPU, the cores its threads compute on, held while the batch runs.
     let cores = (engine.device() == Device::Cpu).then(|| ctx.cores.infer(engine.threads()));
+    let engine_start = std::time::Instant::now();
     let result = std::panic::catch_unwind(AssertUnwindSafe(|| engine.run(input, want)));
     drop(cores);
     match result {
@@ -176,6 +180,13 @@ fn run_batch(ctx: &InstanceContext, stages: &mut Stages, batch: Batch) -> bool {
                 return true;
             }
             record_execution(ctx, &batch, &out.timings);
+            trace_batch(
+                ctx,
+                &batch,
+                started,
+                Some((engine_start, &out.timings)),
+                None,
+            );
             let mut unusable: std::collections::HashMap<usize, PreprocessError> =
                 unusable.into_iter().collect();
             let mut top_k = std::mem::take(&mut out.top_k).into_iter();
@@ -215,6 +226,56 @@ fn run_batch(ctx: &InstanceContext, stages: &mut Stages, batch: Batch) -> bool {
             false
         }
     }
+}
+
+/// The batch's span and each traced request's compute timestamps, where any of its
+/// requests is traced: compute from when the instance took the batch, its input end and
+/// output start from the engine's own timings (`engine`: when it started, and its timings;
+/// none for a batch that failed before or in the engine, with its `error`), its end now
+/// (before any row is answered, so the request's trace is still open).
+fn trace_batch(
+    ctx: &InstanceContext,
+    batch: &Batch,
+    started: std::time::Instant,
+    engine: Option<(std::time::Instant, &ComputeTimings)>,
+    error: Option<&str>,
+) {
+    if !batch
+        .parts
+        .iter()
+        .any(|(job, _)| job.request.trace.is_some())
+    {
+        return;
+    }
+    let mut traces: Vec<&crate::trace::Trace> = Vec::new();
+    let mut requests: Vec<*const super::RequestMark> = Vec::new();
+    for (job, _) in &batch.parts {
+        let request = Arc::as_ptr(&job.request);
+        if requests.contains(&request) {
+            continue;
+        }
+        requests.push(request);
+        traces.extend(job.request.trace.as_ref());
+    }
+    let Some(first) = traces.first() else {
+        return;
+    };
+    let mut span =
+        crate::trace::BatchSpan::new(&ctx.model, ctx.version, ctx.id.to_string(), started);
+    span.times.rows = batch.rows();
+    span.requests = requests.len();
+    let times = &mut span.times;
+    times.end = std::time::Instant::now();
+    (times.input_end, times.output_start) = match engine {
+        Some((engine_start, t)) => (engine_start + t.input, engine_start + t.input + t.infer),
+        None => (times.end, times.end),
+    };
+    span.error = error.map(str::to_string);
+    span.links = traces.iter().map(|t| t.link()).collect();
+    for trace in &traces {
+        trace.ran_in(&span);
+    }
+    first.tracer().batch(span);
 }
 
 /// Triton's counters for one executed batch; compute durations count once per request in

@@ -169,9 +169,19 @@ pub(crate) struct RequestMark {
     /// Set when the first rows of any of its jobs leave the queue: from then on the request
     /// is executing and cannot time out (Triton's queue timeout is per request).
     started: std::sync::atomic::AtomicBool,
+    /// Its trace at this model, where it is sampled: the batches it rides in are recorded
+    /// there.
+    pub trace: Option<crate::trace::Trace>,
 }
 
 impl RequestMark {
+    pub fn new(trace: Option<crate::trace::Trace>) -> RequestMark {
+        RequestMark {
+            started: Default::default(),
+            trace,
+        }
+    }
+
     /// Marks the request started; true the first time only (its queue time ends here).
     fn start(&self) -> bool {
         !self

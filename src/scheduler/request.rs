@@ -20,6 +20,7 @@ use crate::engine::OutputRequest;
 use crate::error::{ErrorKind, GatewayError, HasKind};
 use crate::preprocess::{PreprocessError, Row};
 use crate::telemetry::{micros, reason, Latency};
+use crate::trace::{Ending, Stamp, Trace};
 
 /// The fewest rows a job is submitted with while a request's rows still arrive (unless they
 /// end): small enough that the first rows start early, large enough that the per-job cost
@@ -29,11 +30,13 @@ use crate::telemetry::{micros, reason, Latency};
 const CHUNK_ROWS: usize = 8;
 
 /// What a request asks of the model, besides its rows.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct RequestSpec {
     pub options: RequestOptions,
     pub format: RowFormat,
     pub want: OutputRequest,
+    /// The request's trace at this model, where it is sampled.
+    pub trace: Option<Trace>,
 }
 
 /// How a request's rows fail, and so what each of its rows answers.
@@ -106,6 +109,16 @@ pub enum RunError {
     Unusable { row: usize, error: PreprocessError },
 }
 
+impl std::fmt::Display for RunError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RunError::Scheduler(e) => write!(f, "{e}"),
+            RunError::Aborted(e) => write!(f, "{e}"),
+            RunError::Unusable { row, error } => write!(f, "row {row}: {error}"),
+        }
+    }
+}
+
 impl From<RunError> for GatewayError {
     fn from(e: RunError) -> GatewayError {
         match e {
@@ -134,6 +147,20 @@ impl ModelHandle {
         _: F,
         rows: impl Stream<Item = RowIn<T>>,
     ) -> RunResult<T, F> {
+        if let Some(trace) = &spec.trace {
+            trace.stamp(Stamp::RequestStart);
+        }
+        let ending = Ending::new(spec.trace.clone());
+        let result = self.run_traced::<T, F>(&spec, rows).await;
+        ending.finish(&result);
+        result
+    }
+
+    async fn run_traced<T, F: RowFailures>(
+        &self,
+        spec: &RequestSpec,
+        rows: impl Stream<Item = RowIn<T>>,
+    ) -> RunResult<T, F> {
         // Refused at once, before any row is read, when it would be at its first row.
         if let Err(e) = self.would_admit(spec.options) {
             self.account(Outcome::Failed(e.reason()), Instant::now());
@@ -150,7 +177,7 @@ impl ModelHandle {
             return result;
         }
         let rows = futures_util::stream::iter(first).chain(rows);
-        let admitted = self.admit(spec.options);
+        let admitted = self.admit(spec.options, spec.trace.clone());
         // Only now: with its place taken, a retiring model still waits for this request.
         drop(arriving);
         let mut admission = match admitted {
@@ -192,7 +219,11 @@ impl ModelHandle {
     }
 
     /// Takes one place in the model's queue, or refuses at once; never waits for room.
-    fn admit(&self, options: RequestOptions) -> Result<Admission, SchedulerError> {
+    fn admit(
+        &self,
+        options: RequestOptions,
+        trace: Option<Trace>,
+    ) -> Result<Admission, SchedulerError> {
         let inner = &self.inner;
         let model = || inner.name.to_string();
         let level = self.would_admit(options)?;
@@ -200,13 +231,16 @@ impl ModelHandle {
             .clone()
             .try_acquire_owned()
             .map_err(|_| SchedulerError::Overloaded { model: model() })?;
+        if let Some(trace) = &trace {
+            trace.stamp(Stamp::QueueStart);
+        }
         Ok(Admission {
             handle: self.clone(),
             place: Some(Arc::new(QueuePlace::new(permit, inner.place_freed.clone()))),
             level,
             timeout: inner.policy.queues[level].timeout_for(options.timeout),
             started: Instant::now(),
-            request: Default::default(),
+            request: Arc::new(RequestMark::new(trace)),
             finished: false,
             batch_failed: false,
         })
@@ -305,7 +339,7 @@ impl Admission {
     /// Submits the rows in chunks as they arrive, then waits for every chunk's outputs.
     async fn feed<T, F: RowFailures>(
         &mut self,
-        spec: RequestSpec,
+        spec: &RequestSpec,
         rows: impl Stream<Item = RowIn<T>>,
     ) -> RunResult<T, F> {
         // Per row in arrival order: its tag, and its answer if it has one on arrival
@@ -379,7 +413,7 @@ impl Admission {
     async fn submit(
         &mut self,
         rows: Vec<Row>,
-        spec: RequestSpec,
+        spec: &RequestSpec,
         last: bool,
     ) -> Result<PendingRows, RunError> {
         let inner = &self.handle.inner;

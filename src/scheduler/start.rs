@@ -94,6 +94,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
             spec: settings.engine.clone(),
             ctx: InstanceContext {
                 model: name.clone(),
+                version: settings.version.0,
                 series: series.clone(),
                 cores: settings.cores.clone(),
                 executions: settings.metrics.instance_executions(&name, &id.to_string()),

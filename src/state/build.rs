@@ -228,12 +228,12 @@ fn ensemble_pipeline(
     ) {
         (
             Some(ServedModel::Preprocessor {
+                model: pre_model,
                 preprocess,
                 normalize,
-                ..
             }),
             Some(ServedModel::Classifier { model, handle }),
-        ) => ((preprocess, normalize), (model, handle)),
+        ) => ((preprocess, normalize, pre_model), (model, handle)),
         (pre, _) => {
             let missing = if pre.is_none() {
                 &e.preprocessor
@@ -257,6 +257,7 @@ fn ensemble_pipeline(
     Ok(ImagePipeline {
         name: m.name.clone(),
         version: m.version,
+        preprocessor: (pre.2.name.clone(), pre.2.version),
         preprocess: pre.0.clone(),
         normalize: *pre.1,
         classifier: cls.1.clone(),

@@ -353,7 +353,9 @@ impl ServerFlags {
             strict_readiness: self.strict_readiness,
             allow_client_shm: self.allow_client_shm,
             keys,
-            trace: std::sync::Arc::new(crate::trace::TraceSettings::new(trace)),
+            trace: std::sync::Arc::new(crate::trace::Tracer::new(
+                crate::trace::TraceSettings::new(trace),
+            )),
         }
     }
 

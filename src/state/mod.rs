@@ -132,8 +132,9 @@ pub struct ServerOptions {
     pub allow_client_shm: bool,
     /// Restricted endpoints per transport.
     pub keys: ApiKeys,
-    /// The trace settings in force (Triton's trace extension reads and changes them).
-    pub trace: Arc<crate::trace::TraceSettings>,
+    /// The tracer: the trace settings in force (Triton's trace extension reads and changes
+    /// them) and where sampled requests' traces go.
+    pub trace: Arc<crate::trace::Tracer>,
 }
 
 impl Default for ServerOptions {
@@ -143,11 +144,7 @@ impl Default for ServerOptions {
             strict_readiness: true,
             allow_client_shm: false,
             keys: ApiKeys::default(),
-            trace: Arc::new(crate::trace::TraceSettings::new(
-                crate::trace::TraceFlags::default()
-                    .settings()
-                    .expect("the trace arguments' defaults are valid"),
-            )),
+            trace: Arc::new(crate::trace::Tracer::off()),
         }
     }
 }

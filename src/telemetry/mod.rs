@@ -136,6 +136,8 @@ pub struct Metrics {
     pub instance_device: IntGaugeVec,
     /// The instances of each model serving now (loaded, not restarting after a panic).
     instances_up: IntGaugeVec,
+    /// Spans the trace exporter dropped (OpenTelemetry mode).
+    pub trace_spans_dropped: IntCounterVec,
     /// CPU and GPU series, refreshed by [`spawn_poller`].
     host: system::HostMetrics,
 }
@@ -293,7 +295,17 @@ impl Metrics {
         registry
             .register(Box::new(instances_up.clone()))
             .expect("unique metric");
+        let trace_spans_dropped = counter(
+            "visiongate_trace_spans_dropped_total",
+            "Trace spans not sent to the OpenTelemetry collector, by reason (queue_full: \
+             over bsp_max_queue_size; export_failed: the collector did not take them in time)",
+            &["reason"],
+        );
+        for reason in ["queue_full", "export_failed"] {
+            trace_spans_dropped.with_label_values(&[reason]);
+        }
         Metrics {
+            trace_spans_dropped,
             instance_device,
             instances_up,
             request_success,

@@ -5,6 +5,7 @@
 //! one samples (every `rate`-th, at most `count` of them). Every change starts the setting
 //! afresh: its request counter from zero and its count from its new value.
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use super::config::{Level, Mode, TraceConfig};
@@ -155,6 +156,9 @@ impl std::fmt::Display for UpdateError {
 pub struct TraceSettings {
     startup: TraceConfig,
     inner: Mutex<Inner>,
+    /// Whether any setting's level is not `OFF`: a request is sampled only then, so while
+    /// nothing traces, a request costs this one load.
+    on: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -168,6 +172,7 @@ impl TraceSettings {
     pub fn new(startup: TraceConfig) -> TraceSettings {
         let values = Explicit::default().over(&startup_values(&startup));
         TraceSettings {
+            on: AtomicBool::new(!values.level.is_off()),
             inner: Mutex::new(Inner {
                 global: Explicit::default(),
                 active: Active::new(values),
@@ -175,6 +180,11 @@ impl TraceSettings {
             }),
             startup,
         }
+    }
+
+    /// Whether any setting traces (its level is not `OFF`).
+    pub fn any_on(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
     }
 
     pub fn config(&self) -> &TraceConfig {
@@ -221,6 +231,19 @@ impl TraceSettings {
     /// trace though its level is not `OFF`.
     pub fn update(&self, model: Option<&str>, update: &Update) -> Result<View, UpdateError> {
         let mut inner = self.lock();
+        let view = self.apply(&mut inner, model, update);
+        let on = !inner.active.values.level.is_off()
+            || inner.models.values().any(|(_, a)| !a.values.level.is_off());
+        self.on.store(on, Ordering::Relaxed);
+        view
+    }
+
+    fn apply(
+        &self,
+        inner: &mut Inner,
+        model: Option<&str>,
+        update: &Update,
+    ) -> Result<View, UpdateError> {
         match model {
             None => {
                 let mut global = inner.global;
@@ -274,6 +297,9 @@ impl TraceSettings {
     /// its caller's trace context in OpenTelemetry mode (`forced`) is counted too, and traced
     /// whatever the rate and count where the level is not `OFF`.
     pub fn sample(&self, model: &str, forced: bool) -> Option<Level> {
+        if !self.any_on() {
+            return None;
+        }
         let mut inner = self.lock();
         let inner = &mut *inner;
         let active = match inner.models.get_mut(model) {

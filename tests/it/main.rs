@@ -25,6 +25,7 @@ mod metrics_use_triton_names;
 mod model_configs_cannot_take_the_server_down;
 mod model_warmup_runs_before_ready;
 mod openapi_document_matches_the_code;
+mod packages_load_side_by_side;
 mod predict_bad_files_get_error_entries;
 mod predict_labels_real_photos;
 mod predict_request_errors;

@@ -381,8 +381,8 @@ def test_every_tritonserver_option_at_once_starts_and_serves(server, all_photos,
                      "--grpc-http2-max-ping-strikes", "--sagemaker-port", "--vertex-ai-port",
                      "--log-format=default"):
             assert f"{flag}: accepted, no effect" in log or f"{flag} /" in log, flag
-        # The trace arguments make the server's trace setting (requests are not recorded yet).
-        assert "--trace-config: read" in log
+        # The trace arguments make the server's trace setting.
+        assert "--trace-config: tracing" in log
         setting = requests.get(s.base + "/v2/trace/setting", timeout=10).json()
         assert setting == {"trace_level": ["TIMESTAMPS"], "trace_rate": "1000", "trace_count": "-1",
                            "log_frequency": "0", "trace_file": str(tmp_path / "trace.json"),
