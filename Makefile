@@ -18,14 +18,9 @@ run: setup
 ## tests (real libtorch, real photos), 10 s of each fuzz target (scripts/fuzz.sh), the Python
 ## suite (fidelity against the Python reference, real HTTP clients) and the container test
 ## (the image and `docker compose up`, see container-test).
+## The steps run in that order by scripts/test.sh, which prints each one's time.
 test: setup
-	@bash scripts/module-deps.sh > /dev/null
-	@bash scripts/deny.sh
-	@$(ENV) && bash scripts/features.sh
-	@$(ENV) && cargo test --release
-	@bash scripts/fuzz.sh smoke
-	@$(ENV) && "$$VISIONGATE_PYTHON" -m pytest -q -rs tests/python
-	@bash scripts/container-test.sh
+	@bash scripts/test.sh
 
 ## Every fuzz target for 10 million runs (an hour at most each); TARGET=name for one.
 fuzz:

@@ -35,14 +35,17 @@ export VISIONGATE_CHECKOV=$VG_CHECKOV_VENV/bin/checkov
 export VISIONGATE_AZURITE=$VG_AZURITE_DIR/node_modules/.bin/azurite-blob
 
 # `install_tool CRATE VERSION`: a pinned cargo tool, built once per machine into the target
-# cache (VG_TOOLS/bin); prints its path.
+# cache (VG_TOOLS/bin); prints its path. Built quickly rather than small and fast (no LTO,
+# parallel codegen, opt-level 1): cargo-deny's own release profile (fat LTO, one codegen
+# unit) made it one of a new machine's longest builds, for a tool that runs seconds.
 VG_TOOLS=$CARGO_TARGET_DIR/tools
 install_tool() {
   local crate=$1 version=$2 bin=$VG_TOOLS/bin/$1
   if ! [[ -x $bin ]] || [[ $("$bin" --version 2>/dev/null) != *" $version"* ]]; then
     echo "building $crate $version into $VG_TOOLS (once per machine, a few minutes)" >&2
-    CARGO_TARGET_DIR=$VG_TOOLS/build cargo install --locked --quiet "$crate@$version" \
-      --root "$VG_TOOLS" >&2
+    CARGO_TARGET_DIR=$VG_TOOLS/build CARGO_PROFILE_RELEASE_LTO=false \
+      CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 CARGO_PROFILE_RELEASE_OPT_LEVEL=1 \
+      cargo install --locked --quiet "$crate@$version" --root "$VG_TOOLS" >&2
   fi
   echo "$bin"
 }

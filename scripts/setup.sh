@@ -22,7 +22,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$VG_ROOT"
 
-say() { printf '\033[1msetup:\033[0m %s\n' "$*"; }
+say() { printf '\033[1msetup [%4ss]:\033[0m %s\n' "$SECONDS" "$*"; }
 
 test_tools=1
 steps=()

@@ -4,7 +4,7 @@ use crate::common;
 use std::time::Duration;
 
 use common::{photos, solid_png, temp_repository, with_preferred, TestGateway};
-use futures::future::join_all;
+use futures_util::future::join_all;
 use visiongate::engine::FakeFaults;
 use visiongate::settings::Config;
 
