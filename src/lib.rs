@@ -104,7 +104,7 @@ impl Gateway {
         let trace_export = state
             .server
             .trace
-            .start_export(state.metrics.trace_spans_dropped.clone());
+            .start_sink(state.metrics.trace_spans_dropped.clone());
         let (http, grpc, metrics) = start_listeners(&settings, &state, &background).await?;
         Ok(Gateway {
             http_addr: http.as_ref().map(|l| l.addr),
@@ -192,8 +192,17 @@ impl Gateway {
             let _ = poll.await;
         }
         self.state.registry.stop_models().await;
-        // The traces of the last requests: the trace file's, and the spans still queued.
-        self.state.server.trace.flush();
+        // The traces of the last requests: the trace file's (at most 64 MiB waiting for its
+        // writer), and the spans still queued, within what is left of the exit timeout.
+        let trace = self.state.server.trace.clone();
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let flushed = tokio::task::spawn_blocking(move || trace.flush());
+        if tokio::time::timeout(left.max(Duration::from_secs(1)), flushed)
+            .await
+            .is_err()
+        {
+            tracing::warn!("exit timeout reached with the trace file still being written");
+        }
         if let Some(export) = self.trace_export {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             export.stop(left.max(Duration::from_secs(1))).await;

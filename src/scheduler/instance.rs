@@ -247,16 +247,9 @@ fn trace_batch(
     {
         return;
     }
-    let mut traces: Vec<&crate::trace::Trace> = Vec::new();
-    let mut requests: Vec<*const super::RequestMark> = Vec::new();
-    for (job, _) in &batch.parts {
-        let request = Arc::as_ptr(&job.request);
-        if requests.contains(&request) {
-            continue;
-        }
-        requests.push(request);
-        traces.extend(job.request.trace.as_ref());
-    }
+    let requests = batch.requests();
+    let traces: Vec<&crate::trace::Trace> =
+        requests.iter().filter_map(|r| r.trace.as_ref()).collect();
     let Some(first) = traces.first() else {
         return;
     };
@@ -284,15 +277,7 @@ fn trace_batch(
 fn record_execution(ctx: &InstanceContext, batch: &Batch, t: &ComputeTimings) {
     let m = &ctx.series;
     let rows = batch.rows();
-    // Jobs are chunks of requests: count each request once.
-    let mut requests: Vec<*const super::RequestMark> = Vec::new();
-    for (job, _) in &batch.parts {
-        let request = Arc::as_ptr(&job.request);
-        if !requests.contains(&request) {
-            requests.push(request);
-        }
-    }
-    let requests = requests.len() as u64;
+    let requests = batch.requests().len() as u64;
     tracing::debug!(
         model = ctx.model,
         instance = %ctx.id,

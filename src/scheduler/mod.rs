@@ -310,4 +310,15 @@ impl Batch {
     fn rows(&self) -> usize {
         self.parts.iter().map(|(_, r)| r.len()).sum()
     }
+
+    /// The requests it serves, each once (jobs are chunks of requests), in batch order.
+    fn requests(&self) -> Vec<&RequestMark> {
+        let mut requests: Vec<&RequestMark> = Vec::new();
+        for (job, _) in &self.parts {
+            if !requests.iter().any(|r| std::ptr::eq(*r, &*job.request)) {
+                requests.push(&job.request);
+            }
+        }
+        requests
+    }
 }

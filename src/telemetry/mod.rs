@@ -136,7 +136,8 @@ pub struct Metrics {
     pub instance_device: IntGaugeVec,
     /// The instances of each model serving now (loaded, not restarting after a panic).
     instances_up: IntGaugeVec,
-    /// Spans the trace exporter dropped (OpenTelemetry mode).
+    /// Spans the trace exporter dropped (OpenTelemetry mode), traces the trace file's
+    /// writer did not take (Triton mode).
     pub trace_spans_dropped: IntCounterVec,
     /// CPU and GPU series, refreshed by [`spawn_poller`].
     host: system::HostMetrics,
@@ -297,8 +298,10 @@ impl Metrics {
             .expect("unique metric");
         let trace_spans_dropped = counter(
             "visiongate_trace_spans_dropped_total",
-            "Trace spans not sent to the OpenTelemetry collector, by reason (queue_full: \
-             over bsp_max_queue_size; export_failed: the collector did not take them in time)",
+            "Trace spans not sent to the OpenTelemetry collector, or requests' traces not \
+             written to Triton mode's trace file, by reason (queue_full: over \
+             bsp_max_queue_size, or 64 MiB waiting for the file's writer; export_failed: the \
+             collector did not take them in time)",
             &["reason"],
         );
         for reason in ["queue_full", "export_failed"] {

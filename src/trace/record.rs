@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::config::{Level, Mode};
+use super::config::Mode;
 use super::export::{ExportTask, Exporter};
 use super::file::TraceFile;
 use super::setting::TraceSettings;
@@ -179,7 +179,7 @@ fn random<const N: usize>() -> [u8; N] {
 
 /// Where finished traces go.
 enum Sink {
-    File(TraceFile),
+    File(Arc<TraceFile>),
     Otlp(Exporter),
 }
 
@@ -201,13 +201,13 @@ impl std::fmt::Debug for Tracer {
 
 impl Tracer {
     /// The tracer of `settings`: Triton mode writes the trace file, OpenTelemetry mode
-    /// queues spans for the exporter, whose task `start_export` starts.
+    /// queues spans for the exporter, whose task `start_sink` starts.
     pub fn new(settings: TraceSettings) -> Tracer {
         let config = settings.config();
         let sink = match config.mode {
-            Mode::Triton if !config.file.is_empty() => {
-                Some(Sink::File(TraceFile::new(config.file.clone().into())))
-            }
+            Mode::Triton if !config.file.is_empty() => Some(Sink::File(Arc::new(TraceFile::new(
+                config.file.clone().into(),
+            )))),
             Mode::Triton => None,
             Mode::OpenTelemetry => Some(Sink::Otlp(Exporter::new(&config.otel))),
         };
@@ -219,12 +219,25 @@ impl Tracer {
         }
     }
 
-    /// Starts the exporter's task (OpenTelemetry mode), counting dropped spans in
-    /// `dropped`.
-    pub fn start_export(&self, dropped: prometheus::IntCounterVec) -> Option<ExportTask> {
+    /// A tracer whose Triton mode writes to `file` (the tests' limits).
+    #[cfg(test)]
+    pub(crate) fn with_file(settings: TraceSettings, file: TraceFile) -> Tracer {
+        Tracer {
+            sink: Some(Sink::File(Arc::new(file))),
+            ..Tracer::new(settings)
+        }
+    }
+
+    /// Starts the sink: the exporter's task (OpenTelemetry mode); spans or traces dropped
+    /// are counted in `dropped`.
+    pub fn start_sink(&self, dropped: prometheus::IntCounterVec) -> Option<ExportTask> {
         match &self.sink {
             Some(Sink::Otlp(exporter)) => exporter.start(dropped),
-            _ => None,
+            Some(Sink::File(file)) => {
+                file.count_drops(dropped);
+                None
+            }
+            None => None,
         }
     }
 
@@ -255,7 +268,7 @@ impl Tracer {
             Mode::OpenTelemetry => context(),
             Mode::Triton => None,
         };
-        let level = self.settings.sample(model, context.is_some())?;
+        let setting = self.settings.sample(model, context.is_some())?;
         self.sink.as_ref()?;
         let (trace_id, caller, state) = match context {
             Some(c) => (c.trace_id, Some(c.span_id), c.state),
@@ -268,7 +281,7 @@ impl Tracer {
             caller,
             span_id: random(),
             started: Instant::now(),
-            log_frequency: self.settings.get(Some(model)).values.log_frequency,
+            log_frequency: setting.log_frequency,
             done: Mutex::default(),
         });
         let parent_span = tree.span_id;
@@ -284,7 +297,6 @@ impl Tracer {
                 version,
                 request_id: request_id.to_string(),
             },
-            level,
             data: Mutex::default(),
             tree,
         })))
@@ -392,7 +404,6 @@ pub(crate) struct Finished {
 struct Record {
     ids: Ids,
     model: Model,
-    level: Level,
     data: Mutex<Data>,
     tree: Arc<Tree>,
 }
@@ -431,18 +442,10 @@ impl std::fmt::Debug for Trace {
 }
 
 impl Trace {
-    pub fn id(&self) -> u64 {
-        self.0.ids.id
-    }
-
     /// What a link to this trace's model span names: trace id, span id, trace state.
     pub fn link(&self) -> ([u8; 16], [u8; 8], String) {
         let tree = &self.0.tree;
         (tree.trace_id, self.0.ids.span_id, tree.state.clone())
-    }
-
-    pub fn level(&self) -> Level {
-        self.0.level
     }
 
     pub fn tracer(&self) -> &Arc<Tracer> {
@@ -466,7 +469,6 @@ impl Trace {
                 version,
                 request_id: parent.model.request_id.clone(),
             },
-            level: parent.level,
             data: Mutex::default(),
             tree: parent.tree.clone(),
         }))

@@ -292,11 +292,11 @@ impl TraceSettings {
         }
     }
 
-    /// Whether this request of `model` is traced, and at which level: counts it against the
-    /// setting it goes by (the model's own, else the server-wide one). A request carrying
-    /// its caller's trace context in OpenTelemetry mode (`forced`) is counted too, and traced
-    /// whatever the rate and count where the level is not `OFF`.
-    pub fn sample(&self, model: &str, forced: bool) -> Option<Level> {
+    /// Whether this request of `model` is traced, and the values of the setting it goes by
+    /// (the model's own, else the server-wide one), against which it is counted. A request
+    /// carrying its caller's trace context in OpenTelemetry mode (`forced`) is counted too,
+    /// and traced whatever the rate and count where the level is not `OFF`.
+    pub fn sample(&self, model: &str, forced: bool) -> Option<Values> {
         if !self.any_on() {
             return None;
         }
@@ -318,7 +318,7 @@ impl TraceSettings {
         if sampled && values.count > 0 {
             active.values.count -= 1;
         }
-        (sampled || forced).then_some(values.level)
+        (sampled || forced).then_some(values)
     }
 }
 
@@ -520,10 +520,10 @@ mod tests {
     #[test]
     fn a_callers_context_is_traced_whatever_the_rate_in_opentelemetry_mode() {
         let s = settings(&["mode=opentelemetry", "level=TIMESTAMPS", "rate=0"]);
-        assert_eq!(s.sample("m", true), Some(TIMESTAMPS));
-        assert_eq!(s.sample("m", false), None);
+        assert_eq!(s.sample("m", true).map(|v| v.level), Some(TIMESTAMPS));
+        assert_eq!(s.sample("m", false).map(|v| v.level), None);
         let s = settings(&["triton,file=t.json", "level=TIMESTAMPS", "rate=1000"]);
-        assert_eq!(s.sample("m", true), None);
+        assert_eq!(s.sample("m", true).map(|v| v.level), None);
     }
 
     #[test]

@@ -86,7 +86,8 @@ def test_triton_mode_writes_tritons_trace_file(tmp_path, photos):
         predict(s, photos)
         fp32 = np.zeros((2, 3, 224, 224), dtype=np.float32)
         infer("grpc", s, "classifier", fp32)
-        # Nothing is written before the stop with a log frequency of 0.
+        # Nothing is written before the stop with a log frequency of 0 until a MiB of records
+        # waits (far more than these few requests').
         assert not trace_file.exists()
     finally:
         s.stop()
@@ -155,6 +156,52 @@ def test_log_frequency_writes_numbered_files(tmp_path, photos):
               for i in range(3)]
     assert counts == [2, 2, 1]
     assert not trace_file.exists() and not (tmp_path / "trace.json.3").exists()
+
+
+def test_every_request_at_32_at_once_is_answered_and_traced(tmp_path, photos):
+    """rate=1 at c=32 over both transports and /predict: no request fails, and the trace file
+    (log frequency 0) is written as traces come, a MiB at a time, and closed at stop holding
+    every request's trace."""
+    trace_file = tmp_path / "trace.json"
+    s = Server(f"--trace-config=triton,file={trace_file}", "--trace-config=level=TIMESTAMPS",
+               "--trace-config=rate=1")
+    answered, errors = [], []
+
+    def client(i):
+        try:
+            for j in range(32):
+                kind = ("http", "grpc", "predict")[(i + j) % 3]
+                if kind == "predict":
+                    answered.append(predict(s, photos[:1])["results"][0]["class_id"])
+                else:
+                    out = infer(kind, s, "ensemble_model", padded(photos[:1]))
+                    answered.append(int(np.argmax(out.as_numpy("output__0")[0])))
+        except Exception as e:  # noqa: BLE001 - every failure is reported below
+            errors.append(repr(e))
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        # 1024 requests' records (about 1.6 MiB): the first MiB is on disk before the stop,
+        # its array still open.
+        deadline = time.time() + 10
+        while not trace_file.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        running = trace_file.read_text()
+        assert running.startswith("[") and not running.endswith("]")
+    finally:
+        s.stop()
+    assert not errors, errors[:3]
+    assert len(answered) == 1024 and len(set(answered)) == 1
+    text = trace_file.read_text()
+    assert text.startswith(running) and text.endswith("]")
+    tops = [t for t in traces_in(json.loads(text)).values() if "parent_id" not in t["header"]]
+    # One top-level trace per request, each ended.
+    assert len(tops) == 1024
+    assert all("REQUEST_END" in [n for n, _ in t["stamps"]] for t in tops)
 
 
 # OpenTelemetry mode ------------------------------------------------------------------------
