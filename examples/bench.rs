@@ -159,10 +159,7 @@ fn forward(variant: Variant, batch: usize, instances: usize, threads: usize, sec
                     height: 224,
                     width: 224,
                 };
-                let want = OutputRequest {
-                    top_k: 5,
-                    logits: false,
-                };
+                let want = OutputRequest::classes(5);
                 for _ in 0..2 {
                     engine.run(input, want).unwrap(); // warm-up
                 }

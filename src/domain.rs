@@ -93,12 +93,41 @@ pub struct ClassScore {
     pub value: f32,
 }
 
+/// A row's classes, best first: never empty, so the best class is always there.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ranked(Vec<ClassScore>);
+
+impl Ranked {
+    /// `classes` best first; `None` when there are none.
+    pub fn new(classes: Vec<ClassScore>) -> Option<Ranked> {
+        (!classes.is_empty()).then_some(Ranked(classes))
+    }
+
+    pub fn best(&self) -> &ClassScore {
+        &self.0[0]
+    }
+
+    pub fn classes(&self) -> &[ClassScore] {
+        &self.0
+    }
+
+    /// Keeps the best `k` (at least the best one).
+    pub fn truncate(&mut self, k: std::num::NonZeroUsize) {
+        self.0.truncate(k.get());
+    }
+}
+
 /// Indices of the `k` largest values, largest first (ties: lower index first). The one
 /// top-k on the host; the engine ranks on its device.
 pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
+    let order = |&a: &usize, &b: &usize| values[b].total_cmp(&values[a]).then(a.cmp(&b));
     let mut idx: Vec<usize> = (0..values.len()).collect();
-    idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
-    idx.truncate(k);
+    if k < idx.len() {
+        // The k best first (unordered), then only they are sorted.
+        idx.select_nth_unstable_by(k.saturating_sub(1), order);
+        idx.truncate(k);
+    }
+    idx.sort_unstable_by(order);
     idx
 }
 
@@ -313,4 +342,21 @@ pub enum ResizeFilter {
     Area,
     /// Bilinear interpolation without antialiasing, as OpenCV's `INTER_LINEAR`.
     Linear,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_is_the_first_k_of_the_whole_order() {
+        // Ties (lower index first) and every k from none to more than there are.
+        let values: [f32; 8] = [0.5, 2.0, -1.0, 2.0, 0.5, 7.0, -1.0, 0.0];
+        let mut order: Vec<usize> = (0..values.len()).collect();
+        order.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+        assert_eq!(order, [5, 1, 3, 0, 4, 7, 2, 6]);
+        for k in 0..=values.len() + 1 {
+            assert_eq!(top_k(&values, k), order[..k.min(values.len())], "k = {k}");
+        }
+    }
 }

@@ -247,22 +247,20 @@ impl Engine for FakeEngine {
                 })
                 .collect::<Vec<f32>>()
         };
-        if want.top_k > 0 {
-            out.top_k = firsts
-                .iter()
-                .map(|&f| {
-                    let s = scores(f);
-                    top_k(&s, want.top_k)
-                        .into_iter()
-                        .map(|c| ClassScore {
-                            class_id: c as u32,
-                            score: s[c],
-                            value: s[c],
-                        })
-                        .collect()
-                })
-                .collect();
-        }
+        out.top_k = firsts
+            .iter()
+            .map(|&f| {
+                let s = scores(f);
+                top_k(&s, want.top_k.get())
+                    .into_iter()
+                    .map(|c| ClassScore {
+                        class_id: c as u32,
+                        score: s[c],
+                        value: s[c],
+                    })
+                    .collect()
+            })
+            .collect();
         if want.logits {
             out.logits = Some(firsts.iter().flat_map(|&f| scores(f)).collect());
         }

@@ -18,10 +18,11 @@ pub use onnx::{OnnxEngine, OnnxRuntime, ONNXRUNTIME_VERSION};
 #[cfg(feature = "openvino")]
 pub use openvino::{OpenVino, OpenVinoEngine, OPENVINO_VERSION};
 
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::domain::{ClassScore, Normalize, Precision, Runtime};
+use crate::domain::{ClassScore, Normalize, Precision, Ranked, Runtime};
 use crate::error::{ErrorKind, HasKind};
 use crate::preprocess::BatchDecoder;
 
@@ -61,16 +62,35 @@ impl BatchInput<'_> {
     }
 }
 
-/// What the callers of a batch want back.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What the callers of a batch want back: always each row's best classes (a row's top 1
+/// costs next to nothing beside its forward pass, and every row's answer then has its
+/// best class), and the logits where asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OutputRequest {
-    /// Softmax top-k per row (0: none).
-    pub top_k: usize,
+    /// Softmax top-k per row.
+    pub top_k: NonZeroUsize,
     /// The raw output row (logits) per row.
     pub logits: bool,
 }
 
+impl Default for OutputRequest {
+    fn default() -> OutputRequest {
+        OutputRequest {
+            top_k: NonZeroUsize::MIN,
+            logits: false,
+        }
+    }
+}
+
 impl OutputRequest {
+    /// The top `k` classes (at least one).
+    pub fn classes(k: usize) -> OutputRequest {
+        OutputRequest {
+            top_k: NonZeroUsize::new(k).unwrap_or(NonZeroUsize::MIN),
+            logits: false,
+        }
+    }
+
     pub fn merge(self, other: OutputRequest) -> OutputRequest {
         OutputRequest {
             top_k: self.top_k.max(other.top_k),
@@ -90,15 +110,10 @@ pub struct EngineOutput {
 }
 
 impl EngineOutput {
-    /// Whether this answers every one of `rows` rows with what `want` asks: each row's top
-    /// classes (at least one) and `rows x num_classes` logits. `Err` says what is missing.
-    pub fn answers(&self, rows: usize, want: OutputRequest) -> Result<(), String> {
-        if want.top_k > 0 && (self.top_k.len() != rows || self.top_k.iter().any(Vec::is_empty)) {
-            return Err(format!(
-                "the engine answered top classes for {} of {rows} rows",
-                self.top_k.iter().filter(|t| !t.is_empty()).count()
-            ));
-        }
+    /// Each of `rows` rows' classes, taken out once this is checked to answer every row
+    /// with what `want` asks: its top classes (at least one) and `rows x num_classes`
+    /// logits. `Err` says what is missing.
+    pub fn ranked(&mut self, rows: usize, want: OutputRequest) -> Result<Vec<Ranked>, String> {
         let logits = self.logits.as_ref().map_or(0, Vec::len);
         if want.logits && (self.num_classes == 0 || logits != rows * self.num_classes) {
             return Err(format!(
@@ -106,7 +121,17 @@ impl EngineOutput {
                 self.num_classes
             ));
         }
-        Ok(())
+        let answered = self.top_k.iter().filter(|t| !t.is_empty()).count();
+        let ranked: Option<Vec<Ranked>> = std::mem::take(&mut self.top_k)
+            .into_iter()
+            .map(Ranked::new)
+            .collect();
+        match ranked {
+            Some(ranked) if ranked.len() == rows => Ok(ranked),
+            _ => Err(format!(
+                "the engine answered top classes for {answered} of {rows} rows"
+            )),
+        }
     }
 }
 
@@ -375,12 +400,10 @@ pub(crate) fn host_output(
         num_classes,
         ..Default::default()
     };
-    if want.top_k > 0 {
-        out.top_k = logits
-            .chunks_exact(num_classes)
-            .map(|row| crate::domain::classify(row, want.top_k))
-            .collect();
-    }
+    out.top_k = logits
+        .chunks_exact(num_classes)
+        .map(|row| crate::domain::classify(row, want.top_k.get()))
+        .collect();
     if want.logits {
         out.logits = Some(logits.to_vec());
     }
@@ -436,6 +459,40 @@ pub fn normalize_on_cpu(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_answer_missing_a_row_or_its_logits_is_refused_whole() {
+        let class = |class_id| ClassScore {
+            class_id,
+            score: 0.5,
+            value: 1.0,
+        };
+        let answer = |top: Vec<Vec<ClassScore>>, logits: Option<Vec<f32>>| EngineOutput {
+            top_k: top,
+            logits,
+            num_classes: 2,
+            ..Default::default()
+        };
+        let both = OutputRequest {
+            logits: true,
+            ..OutputRequest::default()
+        };
+        let mut whole = answer(vec![vec![class(1)], vec![class(0)]], Some(vec![0.0; 4]));
+        let ranked = whole.ranked(2, both).unwrap();
+        let best: Vec<u32> = ranked.iter().map(|r| r.best().class_id).collect();
+        assert_eq!(best, [1, 0]);
+        for (mut short, why) in [
+            (answer(vec![vec![class(1)]], None), "1 of 2 rows"),
+            (answer(vec![vec![class(1)]; 3], None), "3 of 2 rows"),
+            (answer(vec![vec![class(1)], vec![]], None), "1 of 2 rows"),
+        ] {
+            let e = short.ranked(2, OutputRequest::default()).unwrap_err();
+            assert!(e.contains(why), "{e}");
+        }
+        let mut no_logits = answer(vec![vec![class(1)], vec![class(0)]], Some(vec![0.0; 3]));
+        let e = no_logits.ranked(2, both).unwrap_err();
+        assert!(e.contains("3 logits for 2 rows of 2 classes"), "{e}");
+    }
 
     #[test]
     fn cpu_normalization_is_nchw_of_x_over_255_minus_mean_over_std() {

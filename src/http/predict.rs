@@ -20,7 +20,7 @@ use crate::error::{ErrorBody, ErrorKind, GatewayError};
 use crate::pace::BodyPace;
 use crate::pipeline::Encoded;
 use crate::preprocess::PreprocessError;
-use crate::scheduler::{BatchFailed, OneByOne, RowFailure, RowOutput};
+use crate::scheduler::{OneByOne, RowFailure, RowOutput};
 use crate::state::AppState;
 use crate::trace::{Stamp, Value};
 
@@ -219,10 +219,7 @@ async fn classify(
         priority: non_negative("priority", query.priority)?.unwrap_or(0),
         timeout: non_negative("timeout_us", query.timeout_us)?.map(Duration::from_micros),
     };
-    let want = OutputRequest {
-        top_k,
-        logits: false,
-    };
+    let want = OutputRequest::classes(top_k);
     let trace = state
         .server
         .trace
@@ -303,31 +300,24 @@ async fn classify(
     let results: Vec<FileResult> = outputs
         .into_iter()
         .map(|(filename, output)| match output {
-            // Every row has its top classes (an engine that lost some failed the batch).
-            Ok(RowOutput { top_k, .. }) if !top_k.is_empty() => {
-                let top: Vec<TopK> = top_k
-                    .iter()
-                    .map(|c| TopK {
-                        label: label(c.class_id),
-                        class_id: c.class_id,
-                        score: c.score,
-                    })
-                    .collect();
-                let best = top[0].clone();
+            Ok(RowOutput { top, .. }) => {
+                let best = top.best();
                 FileResult::Ok(Prediction {
                     filename,
-                    label: best.label,
+                    label: label(best.class_id),
                     class_id: best.class_id,
                     score: best.score,
-                    top_k: top,
+                    top_k: top
+                        .classes()
+                        .iter()
+                        .map(|c| TopK {
+                            label: label(c.class_id),
+                            class_id: c.class_id,
+                            score: c.score,
+                        })
+                        .collect(),
                 })
             }
-            Ok(_) => failed(
-                filename,
-                RowFailure::ModelFailed(BatchFailed {
-                    model: pipeline.classifier.name().to_string(),
-                }),
-            ),
             Err(failure) => failed(filename, failure),
         })
         .collect();

@@ -420,13 +420,10 @@ fn answered(
 fn output_request(wanted: &[RequestedOutput]) -> OutputRequest {
     wanted.iter().fold(OutputRequest::default(), |w, o| {
         w.merge(match o.classification {
-            Some(k) => OutputRequest {
-                top_k: k,
-                logits: false,
-            },
+            Some(k) => OutputRequest::classes(k),
             None => OutputRequest {
-                top_k: 0,
                 logits: true,
+                ..OutputRequest::default()
             },
         })
     })
@@ -494,7 +491,7 @@ fn classifier_outputs(
                 let mut elements = Vec::new();
                 let mut width = 0;
                 for row in rows {
-                    let top = &row.top_k[..k.min(row.top_k.len())];
+                    let top = &row.top.classes()[..k.min(row.top.classes().len())];
                     width = top.len();
                     elements.extend(top.iter().map(|c| {
                         let (i, value) = (c.class_id, c.value);
@@ -550,18 +547,20 @@ fn preprocessed_outputs(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::ClassScore;
+    use crate::domain::{ClassScore, Ranked};
 
     fn row(top: &[(u32, f32)], logits: &[f32]) -> RowOutput {
         RowOutput {
-            top_k: top
-                .iter()
-                .map(|&(class_id, value)| ClassScore {
-                    class_id,
-                    score: 0.5,
-                    value,
-                })
-                .collect(),
+            top: Ranked::new(
+                top.iter()
+                    .map(|&(class_id, value)| ClassScore {
+                        class_id,
+                        score: 0.5,
+                        value,
+                    })
+                    .collect(),
+            )
+            .unwrap(),
             logits: Some(logits.to_vec()),
         }
     }
@@ -592,7 +591,7 @@ mod tests {
             classification: None,
             shared_memory: None,
         }];
-        let rows = [row(&[], &[1.0, 2.0]), row(&[], &[3.0, 4.0])];
+        let rows = [row(&[(1, 2.0)], &[1.0, 2.0]), row(&[(1, 4.0)], &[3.0, 4.0])];
         let out = classifier_outputs(&wanted, &rows, None).unwrap();
         assert_eq!(out[0].shape, vec![2, 2]);
         let values: Vec<f32> = out[0]
@@ -620,8 +619,8 @@ mod tests {
         assert_eq!(
             output_request(&wanted),
             OutputRequest {
-                top_k: 3,
-                logits: true
+                logits: true,
+                ..OutputRequest::classes(3)
             }
         );
     }

@@ -422,10 +422,7 @@ mod tests {
                 mean: [mean; 3],
                 std: [1.0; 3],
             }),
-            want: OutputRequest {
-                top_k: 1,
-                logits: false,
-            },
+            want: OutputRequest::default(),
         };
         let permit = Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap();
         let place = Arc::new(QueuePlace::new(permit, Default::default()));

@@ -9,7 +9,6 @@ use lru::LruCache;
 use xxhash_rust::xxh3::Xxh3;
 
 use super::{RowFormat, RowOutput};
-use crate::domain::ClassScore;
 use crate::engine::OutputRequest;
 use crate::preprocess::Row;
 
@@ -71,7 +70,7 @@ impl ResponseCache {
             }
             RowFormat::TensorF32 => h.update(&[1]),
         }
-        h.update(&(want.top_k as u64).to_le_bytes());
+        h.update(&(want.top_k.get() as u64).to_le_bytes());
         h.update(&[u8::from(want.logits)]);
         match row {
             Row::Bytes(bytes) => {
@@ -96,7 +95,7 @@ impl ResponseCache {
         const OVERHEAD: usize = 64;
         std::mem::size_of::<CacheKey>()
             + std::mem::size_of::<RowOutput>()
-            + out.top_k.len() * std::mem::size_of::<ClassScore>()
+            + std::mem::size_of_val(out.top.classes())
             + out.logits.as_ref().map_or(0, |l| l.len() * 4)
             + OVERHEAD
     }
@@ -152,23 +151,24 @@ mod tests {
 
     fn out(class: u32) -> RowOutput {
         RowOutput {
-            top_k: vec![ClassScore {
+            top: Ranked::new(vec![ClassScore {
                 class_id: class,
                 score: 0.5,
                 value: 1.0,
-            }],
+            }])
+            .unwrap(),
             logits: None,
         }
     }
 
-    use crate::domain::Normalize;
+    use crate::domain::{ClassScore, Normalize, Ranked};
 
     const N: RowFormat = RowFormat::Image(Normalize {
         mean: [0.5; 3],
         std: [0.5; 3],
     });
     const TOP1: OutputRequest = OutputRequest {
-        top_k: 1,
+        top_k: std::num::NonZeroUsize::MIN,
         logits: false,
     };
 
@@ -194,7 +194,7 @@ mod tests {
             k,
             ResponseCache::key("m", 1, 0, &tensor, TOP1, &row(b"row"))
         );
-        let top5 = OutputRequest { top_k: 5, ..TOP1 };
+        let top5 = OutputRequest::classes(5);
         assert_ne!(k, ResponseCache::key("m", 1, 0, &N, top5, &row(b"row")));
     }
 

@@ -175,10 +175,13 @@ fn run_batch(ctx: &InstanceContext, stages: &mut Stages, batch: Batch) -> bool {
     match result {
         Ok(Ok(mut out)) => {
             // An engine that lost rows fails the batch rather than give a row no classes.
-            if let Err(why) = out.answers(rows, want) {
-                fail(why);
-                return true;
-            }
+            let ranked = match out.ranked(rows, want) {
+                Ok(ranked) => ranked,
+                Err(why) => {
+                    fail(why);
+                    return true;
+                }
+            };
             record_execution(ctx, &batch, &out.timings);
             trace_batch(
                 ctx,
@@ -189,31 +192,25 @@ fn run_batch(ctx: &InstanceContext, stages: &mut Stages, batch: Batch) -> bool {
             );
             let mut unusable: std::collections::HashMap<usize, PreprocessError> =
                 unusable.into_iter().collect();
-            let mut top_k = std::mem::take(&mut out.top_k).into_iter();
+            let mut ranked = ranked.into_iter().enumerate();
             let logits = out.logits.take();
-            let mut offset = 0;
+            let c = out.num_classes;
             for (job, range) in &batch.parts {
-                let n = range.len();
-                let outputs = (0..n).map(|i| {
-                    let mut row_top = top_k.next().unwrap_or_default();
-                    if let Some(error) = unusable.remove(&(offset + i)) {
+                let want = job.job.want;
+                let outputs = ranked.by_ref().take(range.len()).map(|(row, mut top)| {
+                    if let Some(error) = unusable.remove(&row) {
                         return Err(RowFailure::Unusable(error));
                     }
-                    row_top.truncate(job.job.want.top_k);
-                    let row_logits = match (&logits, job.job.want.logits) {
-                        (Some(l), true) => {
-                            let c = out.num_classes;
-                            Some(l[(offset + i) * c..(offset + i + 1) * c].to_vec())
-                        }
-                        _ => None,
-                    };
+                    top.truncate(want.top_k);
                     Ok(RowOutput {
-                        top_k: row_top,
-                        logits: row_logits,
+                        top,
+                        logits: match &logits {
+                            Some(l) if want.logits => Some(l[row * c..(row + 1) * c].to_vec()),
+                            _ => None,
+                        },
                     })
                 });
                 job.complete(range.clone(), outputs.collect::<Vec<_>>());
-                offset += n;
             }
             true
         }

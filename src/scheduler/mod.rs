@@ -30,7 +30,7 @@ pub use request::{OneByOne, RequestSpec, RowFailures, RowIn, RunError, RunResult
 pub use start::{start_model, EngineFactory, ModelSettings};
 pub use tuning::BatchSizeChoice;
 
-use crate::domain::{ClassScore, Normalize};
+use crate::domain::{Normalize, Ranked};
 use crate::engine::OutputRequest;
 use crate::error::{ErrorKind, HasKind};
 use crate::preprocess::{PreprocessError, Row};
@@ -148,7 +148,8 @@ pub(crate) struct JobRows {
 /// One row's result.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RowOutput {
-    pub top_k: Vec<ClassScore>,
+    /// Its best classes, as many as its request asked (or the number of classes if fewer).
+    pub top: Ranked,
     pub logits: Option<Vec<f32>>,
 }
 

@@ -81,10 +81,7 @@ fn run_warmup_samples(
                     height: ctx.height,
                     width: ctx.width,
                 };
-                let want = OutputRequest {
-                    top_k: 1,
-                    logits: false,
-                };
+                let want = OutputRequest::default();
                 engine
                     .run(input, want)
                     .map_err(|e| format!("failed to run warmup sample '{}': {e}", sample.name))?;
@@ -153,13 +150,7 @@ fn warm_up(
         };
         let t = Instant::now();
         engine
-            .run(
-                input,
-                OutputRequest {
-                    top_k: 1,
-                    logits: false,
-                },
-            )
+            .run(input, OutputRequest::default())
             .map_err(|e| format!("warm-up with batch {n}: {e}"))?;
         Ok(t.elapsed().as_secs_f64())
     };

@@ -64,13 +64,9 @@ struct Buffered {
 struct Chunk {
     path: PathBuf,
     traces: Vec<String>,
+    /// What its traces count in `held`.
+    bytes: usize,
     last: bool,
-}
-
-impl Chunk {
-    fn bytes(&self) -> usize {
-        self.traces.iter().map(|t| t.len() + 1).sum()
-    }
 }
 
 impl TraceFile {
@@ -141,7 +137,7 @@ impl TraceFile {
             return;
         }
         let traces = std::mem::take(&mut b.pending);
-        b.pending_bytes = 0;
+        let bytes = std::mem::take(&mut b.pending_bytes);
         let chunk = if b.log_frequency > 0 {
             let (index, handed) = match b.numbered {
                 Some(filling) => filling,
@@ -156,6 +152,7 @@ impl TraceFile {
             Chunk {
                 path: PathBuf::from(name),
                 traces,
+                bytes,
                 last,
             }
         } else {
@@ -165,6 +162,7 @@ impl TraceFile {
             Chunk {
                 path: self.path.clone(),
                 traces,
+                bytes,
                 last: false,
             }
         };
@@ -213,7 +211,7 @@ impl TraceFile {
                 }
                 return;
             };
-            let bytes = chunk.bytes();
+            let bytes = chunk.bytes;
             let text = chunk.traces.join(",");
             let is_main = chunk.path == self.path;
             // A numbered file part-filled when the log frequency changed is complete.
@@ -278,20 +276,24 @@ fn start(path: &Path, text: &str) {
 
 /// The array in `path` closed, and the file on disk.
 fn close(path: &Path) {
-    append(path, "]");
-    if let Ok(f) = File::open(path) {
+    if let Some(f) = append(path, "]") {
         let _ = f.sync_all();
     }
 }
 
-fn append(path: &Path, text: &str) {
+fn append(path: &Path, text: &str) -> Option<File> {
     let written = OpenOptions::new()
         .append(true)
         .open(path)
-        .and_then(|mut f| f.write_all(text.as_bytes()));
-    if let Err(e) = written {
-        tracing::error!(file = %path.display(), error = %e, "cannot write the trace file");
-    }
+        .and_then(|mut f| {
+            f.write_all(text.as_bytes())?;
+            Ok(f)
+        });
+    written
+        .map_err(
+            |e| tracing::error!(file = %path.display(), error = %e, "cannot write the trace file"),
+        )
+        .ok()
 }
 
 /// A request's records: per model, its model record before its `REQUEST_START`, then its
@@ -398,6 +400,17 @@ mod tests {
         }
     }
 
+    /// The drop counter `tracer`'s file counts in.
+    fn dropped(tracer: &Tracer) -> prometheus::IntCounterVec {
+        let dropped = prometheus::IntCounterVec::new(
+            prometheus::Opts::new("dropped", "dropped"),
+            &["reason"],
+        )
+        .unwrap();
+        assert!(tracer.start_sink(dropped.clone()).is_none());
+        dropped
+    }
+
     fn ids(text: &str) -> Vec<u64> {
         let records: Vec<serde_json::Value> = serde_json::from_str(text).unwrap();
         let mut ids: Vec<u64> = records.iter().map(|r| r["id"].as_u64().unwrap()).collect();
@@ -424,16 +437,57 @@ mod tests {
         let (dir, file) = scratch("held");
         // Less than one request's records may wait for the writer.
         let tracer = limited(&file, &[], 1 << 20, 10);
-        let dropped = prometheus::IntCounterVec::new(
-            prometheus::Opts::new("dropped", "dropped"),
-            &["reason"],
-        )
-        .unwrap();
-        assert!(tracer.start_sink(dropped.clone()).is_none());
+        let dropped = dropped(&tracer);
         requests(&tracer, 2);
         tracer.flush();
         assert_eq!(dropped.with_label_values(&["queue_full"]).get(), 2);
         assert!(!file.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_stalled_disk_holds_no_request_up_and_no_more_than_the_limit() {
+        use std::io::Read;
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::fs::OpenOptionsExt;
+        let (dir, file) = scratch("stalled");
+        // A FIFO nobody reads yet: the writer blocks opening it, as on a disk that stalls.
+        let c_path = std::ffi::CString::new(file.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        // Well inside a pipe's smallest buffer (a page), so the stop's writes never block.
+        const HELD: usize = 2048;
+        // Each request handed to the writer at once.
+        let tracer = limited(&file, &[], 1, HELD);
+        let dropped = dropped(&tracer);
+        // Four threads of requests go on and finish while the writer is stuck.
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| requests(&tracer, 250));
+            }
+        });
+        let dropped = dropped.with_label_values(&["queue_full"]).get() as usize;
+        assert!(dropped > 0 && dropped < 1000, "{dropped} of 1000 dropped");
+        // The disk is back: a reader (which also holds the FIFO open for writing, so it never
+        // ends).
+        let mut fifo = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&file)
+            .unwrap();
+        tracer.flush();
+        let mut bytes = Vec::new();
+        if let Err(e) = fifo.read_to_end(&mut bytes) {
+            assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "{e}");
+        }
+        let text = String::from_utf8(bytes).unwrap();
+        // "[", each request's records and a comma or the closing "]": what was held, plus one.
+        assert!(text.len() <= HELD + 1, "{} bytes written", text.len());
+        let mut ids = ids(&text);
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), 1000 - dropped, "every request held is written");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -64,8 +64,8 @@ fn staged_and_cached_inputs_give_bit_identical_logits_and_top_k() {
     let module = CModule::load_on_device(model_file(), Device::Cpu).unwrap();
     let mut engine = TorchEngine::load(&spec(Precision::Fp32), None).unwrap();
     let want = OutputRequest {
-        top_k: 5,
         logits: true,
+        ..OutputRequest::classes(5)
     };
     // Grows (1 -> 4), shrinks (2: stale bytes stay in the buffer), repeats, grows again.
     for (n, seed) in [(1, 1), (4, 2), (2, 3), (2, 3), (5, 4)] {
@@ -120,8 +120,8 @@ fn fp32_tensor_input_matches_a_plain_forward_pass() {
                 width: SIDE,
             },
             OutputRequest {
-                top_k: 0,
                 logits: true,
+                ..OutputRequest::default()
             },
         )
         .unwrap();
@@ -146,8 +146,8 @@ fn image_logits(engine: &mut TorchEngine, data: &[u8]) -> Vec<f32> {
                 normalize: NORMALIZE,
             },
             OutputRequest {
-                top_k: 1,
                 logits: true,
+                ..OutputRequest::default()
             },
         )
         .unwrap();

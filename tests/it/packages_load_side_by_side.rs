@@ -32,8 +32,8 @@ fn instances_of_one_package_load_and_run_on_threads_at_once() {
                         width: 224,
                     };
                     let want = OutputRequest {
-                        top_k: 0,
                         logits: true,
+                        ..OutputRequest::default()
                     };
                     let out = engine.run(input, want).map_err(|e| e.to_string())?;
                     Ok::<_, String>(out.logits.unwrap_or_default())

@@ -344,33 +344,31 @@ impl TorchEngine {
             num_classes,
             ..Default::default()
         };
-        if want.top_k > 0 {
-            // Ranked on the logits (the order softmax keeps); each class's probability is
-            // gathered from the softmax beside its logit.
-            let k = want.top_k.min(num_classes) as i64;
-            let (values, indices) = logits.f_topk(k, -1, true, true)?;
-            let probs = logits
-                .f_softmax(-1, Kind::Float)?
-                .f_gather(-1, &indices, false)?;
-            let host = |t: &Tensor| -> Result<Tensor, tch::TchError> {
-                t.f_to_device(Device::Cpu)?.f_flatten(0, -1)
-            };
-            let values = Vec::<f32>::try_from(&host(&values)?.f_to_kind(Kind::Float)?)?;
-            let probs = Vec::<f32>::try_from(&host(&probs)?)?;
-            let indices = Vec::<i64>::try_from(&host(&indices)?)?;
-            let k = k as usize;
-            out.top_k = (0..rows)
-                .map(|r| {
-                    (r * k..(r + 1) * k)
-                        .map(|i| ClassScore {
-                            class_id: indices[i] as u32,
-                            score: probs[i],
-                            value: values[i],
-                        })
-                        .collect()
-                })
-                .collect();
-        }
+        // Ranked on the logits (the order softmax keeps); each class's probability is
+        // gathered from the softmax beside its logit.
+        let k = want.top_k.get().min(num_classes) as i64;
+        let (values, indices) = logits.f_topk(k, -1, true, true)?;
+        let probs = logits
+            .f_softmax(-1, Kind::Float)?
+            .f_gather(-1, &indices, false)?;
+        let host = |t: &Tensor| -> Result<Tensor, tch::TchError> {
+            t.f_to_device(Device::Cpu)?.f_flatten(0, -1)
+        };
+        let values = Vec::<f32>::try_from(&host(&values)?.f_to_kind(Kind::Float)?)?;
+        let probs = Vec::<f32>::try_from(&host(&probs)?)?;
+        let indices = Vec::<i64>::try_from(&host(&indices)?)?;
+        let k = k as usize;
+        out.top_k = (0..rows)
+            .map(|r| {
+                (r * k..(r + 1) * k)
+                    .map(|i| ClassScore {
+                        class_id: indices[i] as u32,
+                        score: probs[i],
+                        value: values[i],
+                    })
+                    .collect()
+            })
+            .collect();
         if want.logits {
             let host = logits
                 .f_to_device(Device::Cpu)?
