@@ -168,6 +168,20 @@ def test_classification_extension_returns_labels(server, photos, predicted, kind
     assert "cat" in chelsea, chelsea
 
 
+@pytest.mark.parametrize("kind", BOTH)
+def test_a_class_count_past_the_classes_gives_every_class(server, photos, predicted, kind):
+    # A client's count is bounded by the model's classes (Triton's answer), not trusted.
+    mod, c = client(kind, server)
+    inp = raw_image_input(mod, read_and_pad_images(photos[:2]))
+    out = mod.InferRequestedOutput("output__0", class_count=2**62)
+    classes = c.infer("ensemble_model", [inp], outputs=[out]).as_numpy("output__0")
+    labels = [line.strip() for line in open(server_labels(), encoding="utf-8")]
+    assert classes.shape == (2, len(labels))
+    assert [int(row[0].decode().split(":")[1]) for row in classes] == predicted[:2]
+    # Every class once per row.
+    assert all(len({e.decode().split(":")[1] for e in row}) == len(labels) for row in classes)
+
+
 def server_labels():
     from conftest import ROOT
 
