@@ -54,14 +54,21 @@ def singles(base, image, until=None, count=None):
     return out
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n):
+    """`n` loopback ports free now, all different: each is held while the next is picked, so
+    the kernel cannot give one port twice."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def start_server(binary, models, extra, log_path):
-    port, grpc, metrics = free_port(), free_port(), free_port()
+    port, grpc, metrics = free_ports(3)
     log = open(log_path or Path(tempfile.mkdtemp(prefix="visiongate-fairness-")) / "server.log", "wb")
     proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", str(grpc),
                              "--metrics-port", str(metrics), "--model-repository", str(models), *extra],

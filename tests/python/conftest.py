@@ -51,10 +51,20 @@ def link_file(source, target):
         shutil.copyfile(source, target)
 
 
+_HANDED_OUT = set()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now that no earlier call in this process handed out: the kernel
+    may give one free port to two binds in a row, and a server given it twice (its HTTP
+    and metrics ports, say) cannot start."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 class Server:
