@@ -6,12 +6,21 @@
 //! memory and requests until they run. There is no fixed split: while the instances wait
 //! for rows every core decodes, and as rows queue up the instances take the cores that
 //! decoding frees, whatever their runtime costs per row.
+//!
+//! A one-core share also names its CPU: the thread runs there until it gives the share
+//! back. Counting alone left cores idle: a thread handed a core is woken while the thread
+//! that gave it back still runs, so the kernel queues it behind another share's thread,
+//! and its load balancing leaves the two on one CPU for milliseconds while the other CPU
+//! idles (the kernel keeps a task that ran in the last half millisecond where it is).
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 /// The cores, and who holds them.
 #[derive(Debug)]
 pub struct Cores {
     total: usize,
+    /// The CPUs this process may run on, where one-core shares pin their threads (none:
+    /// shares only count).
+    cpus: Option<Cpus>,
     state: Mutex<Held>,
     freed: Condvar,
 }
@@ -22,21 +31,28 @@ struct Held {
     busy: usize,
     /// Instances waiting for cores: no decode starts while one waits.
     instances_waiting: usize,
+    /// The CPUs one-core shares run on now.
+    pinned: Vec<usize>,
 }
 
 impl Cores {
-    /// `total` cores (at least one).
+    /// `total` cores (at least one), counted only.
     pub fn new(total: usize) -> Cores {
         Cores {
             total: total.max(1),
+            cpus: None,
             state: Mutex::default(),
             freed: Condvar::new(),
         }
     }
 
-    /// The cores this process may run on.
+    /// The cores this process may run on, a one-core share on a CPU of its own.
     pub fn of_host() -> Cores {
-        Cores::new(std::thread::available_parallelism().map_or(1, |n| n.get()))
+        let total = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Cores {
+            cpus: Cpus::of_process(),
+            ..Cores::new(total)
+        }
     }
 
     pub fn total(&self) -> usize {
@@ -50,8 +66,7 @@ impl Cores {
         while held.busy >= self.total || held.instances_waiting > 0 {
             held = self.wait(held);
         }
-        held.busy += 1;
-        Share { cores: self, n: 1 }
+        self.take(held, 1)
     }
 
     /// `threads` cores (all of them where it asks for more), for one batch of a CPU
@@ -64,8 +79,43 @@ impl Cores {
             held = self.wait(held);
         }
         held.instances_waiting -= 1;
+        self.take(held, n)
+    }
+
+    /// `n` free cores for the calling thread; one core on a CPU no other share runs on
+    /// (where it runs now if it can), the thread pinned there. A share of several cores
+    /// is not pinned: a runtime's thread pool, started from the thread, would keep the
+    /// CPUs it was started on.
+    fn take(&self, mut held: MutexGuard<'_, Held>, n: usize) -> Share<'_> {
         held.busy += n;
-        Share { cores: self, n }
+        let pinned = match &self.cpus {
+            Some(cpus) if n == 1 => {
+                // SAFETY: no arguments; -1 where the kernel cannot say.
+                let here = usize::try_from(unsafe { libc::sched_getcpu() }).ok();
+                let free = |c: &usize| !held.pinned.contains(c);
+                let cpu = here
+                    .filter(|c| cpus.allowed.contains(c) && free(c))
+                    .or_else(|| cpus.allowed.iter().copied().find(free));
+                if let Some(c) = cpu {
+                    held.pinned.push(c);
+                }
+                cpu
+            }
+            _ => None,
+        };
+        drop(held);
+        let pinned = pinned.filter(|&cpu| match &self.cpus {
+            Some(cpus) if cpus.pin(cpu) => true,
+            _ => {
+                self.lock().pinned.retain(|&c| c != cpu);
+                false
+            }
+        });
+        Share {
+            cores: self,
+            n,
+            pinned,
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Held> {
@@ -77,17 +127,69 @@ impl Cores {
     }
 }
 
+/// The process's CPU affinity as it started.
+#[derive(Debug)]
+struct Cpus {
+    mask: libc::cpu_set_t,
+    allowed: Vec<usize>,
+}
+
+impl Cpus {
+    fn of_process() -> Option<Cpus> {
+        // SAFETY: a zeroed cpu_set_t is an empty set; the kernel writes at most its size.
+        let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        if unsafe { libc::sched_getaffinity(0, size, &mut mask) } != 0 {
+            return None;
+        }
+        let allowed: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| unsafe { libc::CPU_ISSET(c, &mask) })
+            .collect();
+        (allowed.len() > 1).then_some(Cpus { mask, allowed })
+    }
+
+    /// The calling thread on `cpu` alone; false where the kernel refuses (a cpuset changed
+    /// since start).
+    fn pin(&self, cpu: usize) -> bool {
+        // SAFETY: a zeroed cpu_set_t is an empty set, and `cpu` is below CPU_SETSIZE.
+        let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        unsafe { libc::CPU_SET(cpu, &mut one) };
+        set_affinity(&one)
+    }
+
+    /// The calling thread back on every CPU the process started with.
+    fn unpin(&self) {
+        set_affinity(&self.mask);
+    }
+}
+
+fn set_affinity(mask: &libc::cpu_set_t) -> bool {
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: `mask` is a valid cpu_set_t of `size` bytes; 0 is the calling thread.
+    unsafe { libc::sched_setaffinity(0, size, mask) == 0 }
+}
+
 /// Cores held until dropped.
 #[must_use = "the cores are given back when the share is dropped"]
 #[derive(Debug)]
 pub struct Share<'a> {
     cores: &'a Cores,
     n: usize,
+    /// The CPU a one-core share's thread is pinned to.
+    pinned: Option<usize>,
 }
 
 impl Drop for Share<'_> {
     fn drop(&mut self) {
-        self.cores.lock().busy -= self.n;
+        if let (Some(_), Some(cpus)) = (self.pinned, &self.cores.cpus) {
+            cpus.unpin();
+        }
+        let mut held = self.cores.lock();
+        held.busy -= self.n;
+        if let Some(cpu) = self.pinned {
+            held.pinned.retain(|&c| c != cpu);
+        }
+        drop(held);
         // Waiters want different counts (a decode one, an instance several): each checks.
         self.cores.freed.notify_all();
     }
@@ -145,6 +247,66 @@ mod tests {
         instance.join().unwrap();
         decode.join().unwrap();
         assert_eq!(cores.lock().busy, 0);
+    }
+
+    fn on_cpu() -> usize {
+        usize::try_from(unsafe { libc::sched_getcpu() }).unwrap()
+    }
+
+    fn affinity() -> Vec<usize> {
+        let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        assert_eq!(unsafe { libc::sched_getaffinity(0, size, &mut mask) }, 0);
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| unsafe { libc::CPU_ISSET(c, &mask) })
+            .collect()
+    }
+
+    #[test]
+    fn one_core_shares_run_on_cpus_of_their_own_and_their_threads_go_back_to_every_cpu() {
+        let cores = Arc::new(Cores::of_host());
+        let Some(cpus) = &cores.cpus else {
+            // A one-CPU host has nothing to pin; CI's machines have two.
+            assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "needs 2 CPUs");
+            eprintln!("NOT RUN: pinning needs 2 CPUs");
+            return;
+        };
+        let (first, all) = (cpus.allowed[0], cpus.allowed.clone());
+        // Every thread starts on the first CPU, as the kernel leaves a woken thread beside
+        // another: each share moves its thread to a CPU no other share runs on.
+        let holding = Arc::new(std::sync::Barrier::new(2));
+        let threads: Vec<_> = (0..2)
+            .map(|i| {
+                let (cores, holding, all) = (cores.clone(), holding.clone(), all.clone());
+                std::thread::spawn(move || {
+                    let one = Cpus::of_process().unwrap();
+                    assert!(one.pin(first));
+                    assert_eq!(on_cpu(), first);
+                    let share = if i == 0 {
+                        cores.decode()
+                    } else {
+                        cores.infer(1)
+                    };
+                    let cpu = on_cpu();
+                    assert_eq!(affinity(), vec![cpu], "pinned to the CPU it runs on");
+                    holding.wait();
+                    drop(share);
+                    assert_eq!(affinity(), all, "every CPU again once given back");
+                    cpu
+                })
+            })
+            .collect();
+        let ran: Vec<usize> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        assert_ne!(ran[0], ran[1], "two shares on one CPU");
+        assert!(
+            ran.contains(&first),
+            "a free CPU where the thread ran was kept"
+        );
+        assert!(cores.lock().pinned.is_empty());
+        // A share of several cores leaves its thread where the kernel puts it.
+        let both = cores.infer(2);
+        assert_eq!(both.pinned, None);
+        assert_eq!(affinity(), all);
     }
 
     #[test]
