@@ -12,6 +12,8 @@
 //! that gave it back still runs, so the kernel queues it behind another share's thread,
 //! and its load balancing leaves the two on one CPU for milliseconds while the other CPU
 //! idles (the kernel keeps a task that ran in the last half millisecond where it is).
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 /// The cores, and who holds them.
@@ -46,11 +48,14 @@ impl Cores {
         }
     }
 
-    /// The cores this process may run on, a one-core share on a CPU of its own.
+    /// The cores this process may run on. Where they are all its CPUs (a whole host, a
+    /// container given a cpuset), a one-core share runs on a CPU of its own; under a CPU
+    /// quota narrower than the CPUs, shares only count, and the kernel places the threads
+    /// among CPUs that other processes use too.
     pub fn of_host() -> Cores {
         let total = std::thread::available_parallelism().map_or(1, |n| n.get());
         Cores {
-            cpus: Cpus::of_process(),
+            cpus: Cpus::of_process().filter(|c| c.allowed.len() == total),
             ..Cores::new(total)
         }
     }
@@ -66,7 +71,7 @@ impl Cores {
         while held.busy >= self.total || held.instances_waiting > 0 {
             held = self.wait(held);
         }
-        self.take(held, 1)
+        self.take(held, 1, true)
     }
 
     /// `threads` cores (all of them where it asks for more), for one batch of a CPU
@@ -79,17 +84,17 @@ impl Cores {
             held = self.wait(held);
         }
         held.instances_waiting -= 1;
-        self.take(held, n)
+        self.take(held, n, threads <= 1)
     }
 
-    /// `n` free cores for the calling thread; one core on a CPU no other share runs on
-    /// (where it runs now if it can), the thread pinned there. A share of several cores
-    /// is not pinned: a runtime's thread pool, started from the thread, would keep the
-    /// CPUs it was started on.
-    fn take(&self, mut held: MutexGuard<'_, Held>, n: usize) -> Share<'_> {
+    /// `n` free cores for the calling thread; with `pin` (a share for one thread), on a
+    /// CPU no other one-core share runs on (where it runs now if it can), the thread pinned
+    /// there. A share for several threads is not pinned: a runtime's thread pool, started
+    /// from the thread, would keep the CPUs it was started on.
+    fn take(&self, mut held: MutexGuard<'_, Held>, n: usize, pin: bool) -> Share<'_> {
         held.busy += n;
         let pinned = match &self.cpus {
-            Some(cpus) if n == 1 => {
+            Some(cpus) if pin && !cpus.refused.load(Ordering::Relaxed) => {
                 // SAFETY: no arguments; -1 where the kernel cannot say.
                 let here = usize::try_from(unsafe { libc::sched_getcpu() }).ok();
                 let free = |c: &usize| !held.pinned.contains(c);
@@ -115,6 +120,7 @@ impl Cores {
             cores: self,
             n,
             pinned,
+            _thread: PhantomData,
         }
     }
 
@@ -132,6 +138,9 @@ impl Cores {
 struct Cpus {
     mask: libc::cpu_set_t,
     allowed: Vec<usize>,
+    /// The kernel refused a pin (the process's cpuset changed since start): shares only
+    /// count from then on.
+    refused: AtomicBool,
 }
 
 impl Cpus {
@@ -145,7 +154,11 @@ impl Cpus {
         let allowed: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
             .filter(|&c| unsafe { libc::CPU_ISSET(c, &mask) })
             .collect();
-        (allowed.len() > 1).then_some(Cpus { mask, allowed })
+        (allowed.len() > 1).then_some(Cpus {
+            mask,
+            allowed,
+            refused: AtomicBool::new(false),
+        })
     }
 
     /// The calling thread on `cpu` alone; false where the kernel refuses (a cpuset changed
@@ -154,12 +167,22 @@ impl Cpus {
         // SAFETY: a zeroed cpu_set_t is an empty set, and `cpu` is below CPU_SETSIZE.
         let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
         unsafe { libc::CPU_SET(cpu, &mut one) };
-        set_affinity(&one)
+        let pinned = set_affinity(&one);
+        if !pinned {
+            self.refused.store(true, Ordering::Relaxed);
+        }
+        pinned
     }
 
-    /// The calling thread back on every CPU the process started with.
+    /// The calling thread back on every CPU the process started with (on every CPU the
+    /// kernel allows it, where none of those is left).
     fn unpin(&self) {
-        set_affinity(&self.mask);
+        if !set_affinity(&self.mask) {
+            // SAFETY: a zeroed cpu_set_t is an empty set; every index is below CPU_SETSIZE.
+            let mut every: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            (0..libc::CPU_SETSIZE as usize).for_each(|c| unsafe { libc::CPU_SET(c, &mut every) });
+            set_affinity(&every);
+        }
     }
 }
 
@@ -177,6 +200,8 @@ pub struct Share<'a> {
     n: usize,
     /// The CPU a one-core share's thread is pinned to.
     pinned: Option<usize>,
+    /// Given back on the thread that took it (which it unpins): not `Send`.
+    _thread: PhantomData<*const ()>,
 }
 
 impl Drop for Share<'_> {
@@ -264,15 +289,22 @@ mod tests {
 
     #[test]
     fn one_core_shares_run_on_cpus_of_their_own_and_their_threads_go_back_to_every_cpu() {
-        let cores = Arc::new(Cores::of_host());
+        // Two cores on whatever CPUs this process has (a CPU quota can make of_host count
+        // fewer cores than CPUs, and then it does not pin).
+        let cores = Arc::new(Cores {
+            cpus: Cpus::of_process(),
+            ..Cores::new(2)
+        });
         let Some(cpus) = &cores.cpus else {
             // A one-CPU host has nothing to pin; CI's machines have two.
             assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "needs 2 CPUs");
             eprintln!("NOT RUN: pinning needs 2 CPUs");
             return;
         };
-        let (first, all) = (cpus.allowed[0], cpus.allowed.clone());
-        // Every thread starts on the first CPU, as the kernel leaves a woken thread beside
+        let all = cpus.allowed.clone();
+        // The last CPU: a share that finds no CPU free where it runs takes the first free.
+        let first = *all.last().unwrap();
+        // Every thread starts on one CPU, as the kernel leaves a woken thread beside
         // another: each share moves its thread to a CPU no other share runs on.
         let holding = Arc::new(std::sync::Barrier::new(2));
         let threads: Vec<_> = (0..2)
@@ -303,9 +335,17 @@ mod tests {
             "a free CPU where the thread ran was kept"
         );
         assert!(cores.lock().pinned.is_empty());
-        // A share of several cores leaves its thread where the kernel puts it.
+        // A share for several threads leaves its thread where the kernel puts it.
         let both = cores.infer(2);
         assert_eq!(both.pinned, None);
+        assert_eq!(affinity(), all);
+        drop(both);
+        // So does one clamped to a single core.
+        let one = Cores {
+            cpus: Cpus::of_process(),
+            ..Cores::new(1)
+        };
+        assert_eq!(one.infer(2).pinned, None);
         assert_eq!(affinity(), all);
     }
 

@@ -154,7 +154,9 @@ fn warm_up(
             .map_err(|e| format!("warm-up with batch {n}: {e}"))?;
         Ok(t.elapsed().as_secs_f64())
     };
-    // The profiling executor specializes on its first two calls.
+    // The profiling executor specializes on its first two calls. They run outside any
+    // share of the cores, so a runtime's threads started by a first run keep every CPU
+    // (a one-thread share pins its thread: `Cores`).
     run(1)?;
     run(1)?;
     let mut candidates = match choice {
