@@ -29,12 +29,32 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from scale_out import Manifests, held_images, multipart, scrape, seed_bucket  # noqa: E402  (the rendered manifests; form bodies; /metrics)
+from scale_out import Manifests, multipart, scrape, seed_bucket  # noqa: E402  (the rendered manifests; form bodies; /metrics)
 from test_remote_repositories import S3  # noqa: E402  (moto's S3 server; scale_out adds its path)
 from conftest import free_port  # noqa: E402
 
 PHOTOS = ROOT / "tests" / "fixtures" / "photos" / "small"
 HOST_FROM_POD = "10.0.2.2"
+# How long the 1000-photo upload goes on after SIGTERM: the pod reports not ready meanwhile.
+UPLOAD_AFTER_STOP_S = 6
+
+
+class Paced:
+    """A body read over `seconds` whatever the reader's speed: requests sends it with its
+    length (a generator would go chunked) as http.client reads it block by block."""
+
+    def __init__(self, data, seconds):
+        self.data, self.at, self.rate = data, 0, len(data) / seconds
+
+    def __len__(self):
+        return len(self.data) - self.at
+
+    def read(self, n=-1):
+        n = len(self) if n is None or n < 0 else min(n, len(self))
+        chunk = self.data[self.at:self.at + n]
+        self.at += n
+        time.sleep(n / self.rate)
+        return chunk
 
 
 def say(msg):
@@ -144,28 +164,33 @@ def main():
         files = [(p.name, p.read_bytes()) for p in (photos * (1000 // len(photos) + 1))[:1000]]
         body, ctype = multipart(files)
         upload = {}
+        # Sent over UPLOAD_S, whatever the server's speed: its stop (preStop, then SIGTERM)
+        # comes while the upload still arrives, so the drain has a request to wait for.
+        pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        paced = Paced(body, (pre_stop + UPLOAD_AFTER_STOP_S))
 
         def send():
             try:
-                r = requests.post(f"{base}/predict", data=body, headers={"Content-Type": ctype}, timeout=600)
+                r = requests.post(f"{base}/predict", data=paced, headers={"Content-Type": ctype}, timeout=600)
                 upload.update(status=r.status_code, results=len(r.json().get("results", [])),
                               labelled=sum(1 for x in r.json().get("results", []) if x.get("label")))
             except Exception as e:  # noqa: BLE001  (reported below)
                 upload.update(error=repr(e))
 
+        decoded = lambda: scrape(host_ports["metrics"]).get("visiongate_decode_seconds_count", 0.0)
+        before = decoded()
         sender = threading.Thread(target=send)
         sender.start()
         deadline = time.time() + 60
         while time.time() < deadline:
-            held = held_images(scrape(host_ports["metrics"]))
-            if held > 0:
+            if decoded() > before:
                 break
             time.sleep(0.05)
         else:
             raise RuntimeError("the upload never reached the server")
         grace = pod_spec["terminationGracePeriodSeconds"]
-        pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
-        say(f"stopping with {held:.0f} images of the upload held: preStop {pre_stop} s, then SIGTERM, grace {grace} s")
+        say(f"stopping with the upload arriving (its first images decoded): preStop {pre_stop} s, then SIGTERM, "
+            f"grace {grace} s")
         stop_start = time.time()
         time.sleep(pre_stop)
         assert sender.is_alive(), f"the upload ended during the preStop pause: {upload}"
