@@ -35,8 +35,12 @@ use visiongate::engine::{
 };
 use visiongate::preprocess::{decode_into, DecodeBudget, PreprocessSettings};
 
+/// The clone `cargo run` runs it from (cargo sets the variable for what it runs); the one it
+/// was built in where run otherwise. With a target directory shared between clones, the
+/// build's own path may be another clone's.
 fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
 }
 
 fn photos(dir: &str) -> Vec<Vec<u8>> {

@@ -145,15 +145,7 @@ struct Cpus {
 
 impl Cpus {
     fn of_process() -> Option<Cpus> {
-        // SAFETY: a zeroed cpu_set_t is an empty set; the kernel writes at most its size.
-        let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        let size = std::mem::size_of::<libc::cpu_set_t>();
-        if unsafe { libc::sched_getaffinity(0, size, &mut mask) } != 0 {
-            return None;
-        }
-        let allowed: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
-            .filter(|&c| unsafe { libc::CPU_ISSET(c, &mask) })
-            .collect();
+        let (mask, allowed) = affinity()?;
         (allowed.len() > 1).then_some(Cpus {
             mask,
             allowed,
@@ -184,6 +176,20 @@ impl Cpus {
             set_affinity(&every);
         }
     }
+}
+
+/// The calling thread's CPU affinity: its mask and the CPUs in it.
+fn affinity() -> Option<(libc::cpu_set_t, Vec<usize>)> {
+    // SAFETY: a zeroed cpu_set_t is an empty set; the kernel writes at most its size.
+    let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    if unsafe { libc::sched_getaffinity(0, size, &mut mask) } != 0 {
+        return None;
+    }
+    let cpus = (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &mask) })
+        .collect();
+    Some((mask, cpus))
 }
 
 fn set_affinity(mask: &libc::cpu_set_t) -> bool {
@@ -279,12 +285,7 @@ mod tests {
     }
 
     fn affinity() -> Vec<usize> {
-        let mut mask: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        let size = std::mem::size_of::<libc::cpu_set_t>();
-        assert_eq!(unsafe { libc::sched_getaffinity(0, size, &mut mask) }, 0);
-        (0..libc::CPU_SETSIZE as usize)
-            .filter(|&c| unsafe { libc::CPU_ISSET(c, &mask) })
-            .collect()
+        super::affinity().expect("the thread's affinity").1
     }
 
     #[test]
