@@ -1,6 +1,7 @@
 //! The batcher task of one model: owns the pending jobs and the idle instance slots, and
 //! cuts a batch only when an instance is idle (so batches grow while all are busy).
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -277,8 +278,11 @@ pub(super) struct BatcherSignals {
     pub stop: CancellationToken,
     /// The model is retiring: rows no longer wait for a batch to fill.
     pub flush: CancellationToken,
-    /// Something changed that no channel says: a request left with rows still queued.
+    /// Something changed that no channel says: a request left with rows still queued, or
+    /// one stopped submitting rows.
     pub wake: Arc<Notify>,
+    /// Admitted requests with rows still to submit (`Inner::feeding`).
+    pub feeding: Arc<AtomicUsize>,
 }
 
 pub(super) async fn run_batcher(
@@ -293,6 +297,7 @@ pub(super) async fn run_batcher(
         stop,
         flush,
         wake,
+        feeding,
     } = signals;
     let model = labels.model.clone();
     let m = &labels.series;
@@ -319,6 +324,12 @@ pub(super) async fn run_batcher(
             // Expired jobs are answered even while every instance is busy.
             queue.expire(Instant::now(), &policy, &model);
         }
+        // Read before the jobs are taken in: a request stops feeding only once its last
+        // job is sent, so with none feeding every row there is to come is in the channel.
+        let rows_coming = feeding.load(Ordering::SeqCst) > 0;
+        while let Ok(job) = jobs.try_recv() {
+            queue.push(job);
+        }
         // Whatever the queue delay, and while every instance is busy. Their requests count
         // as CANCELED where they are dropped (`Admission`).
         queue.drop_abandoned();
@@ -331,6 +342,7 @@ pub(super) async fn run_batcher(
                 now,
                 &policy,
                 target,
+                rows_coming,
             ) {
                 Decision::Idle => break,
                 Decision::Wait(until) => {

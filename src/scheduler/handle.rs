@@ -35,6 +35,9 @@ pub(super) struct Inner {
     /// Requests that resolved this model and wait for their first row, holding no place
     /// yet: a retiring model waits for them too.
     pub arriving: std::sync::atomic::AtomicUsize,
+    /// Admitted requests with rows still to submit: the batcher waits for their rows to
+    /// fill a batch, and with none it runs what a preferred batch size holds at once.
+    pub feeding: Arc<std::sync::atomic::AtomicUsize>,
     pub cache: Option<Arc<ResponseCache>>,
     pub state: watch::Receiver<ModelState>,
     /// Stops the batcher, which ends the instance threads.

@@ -8,6 +8,9 @@ use crate::domain::TimeoutAction;
 pub struct BatchPolicy {
     pub max_batch_size: usize,
     pub max_queue_delay: Duration,
+    /// `preferred_batch_size`, ascending, those over `max_batch_size` left out: with no
+    /// more rows on their way, a batch of one of these sizes goes without waiting.
+    pub preferred: Vec<usize>,
     /// `dynamic_batching` present: rows of different requests may share a batch.
     pub merge_requests: bool,
     /// One queue per priority level, highest priority first.
@@ -22,6 +25,7 @@ impl BatchPolicy {
         BatchPolicy {
             max_batch_size,
             max_queue_delay: Duration::ZERO,
+            preferred: Vec::new(),
             merge_requests: false,
             queues: vec![QueuePolicy::without_timeout(capacity)],
             default_level: 0,
@@ -90,7 +94,11 @@ pub enum Decision {
 
 /// What to do with `pending_rows` rows (the oldest enqueued at `oldest`, the first job
 /// having `head_rows` rows not yet cut) for an idle instance whose best batch size is
-/// `target`: a full target batch goes at once; fewer rows wait up to the queue delay.
+/// `target`: a full target batch goes at once. Fewer rows wait up to the queue delay while
+/// `rows_coming` (an admitted request still has rows to submit: they arrive within a decode,
+/// and waiting for them fills the batch the instance measured as fastest). With none on
+/// their way, Triton's rule: the largest preferred batch size the rows make goes at once,
+/// and fewer rows than any preferred size wait up to the queue delay.
 pub fn decide(
     pending_rows: usize,
     head_rows: usize,
@@ -98,6 +106,7 @@ pub fn decide(
     now: Instant,
     policy: &BatchPolicy,
     target: usize,
+    rows_coming: bool,
 ) -> Decision {
     let Some(oldest) = oldest.filter(|_| pending_rows > 0) else {
         return Decision::Idle;
@@ -110,6 +119,11 @@ pub fn decide(
     let target = target.clamp(1, max);
     if pending_rows >= target {
         return Decision::Cut(target);
+    }
+    if !rows_coming {
+        if let Some(&n) = policy.preferred.iter().rev().find(|&&n| n <= pending_rows) {
+            return Decision::Cut(n);
+        }
     }
     let deadline = oldest + policy.max_queue_delay;
     if now >= deadline {
@@ -127,6 +141,7 @@ mod tests {
         BatchPolicy {
             max_batch_size: 32,
             max_queue_delay: Duration::from_millis(2),
+            preferred: Vec::new(),
             merge_requests: true,
             queues: vec![QueuePolicy::without_timeout(8)],
             default_level: 0,
@@ -166,25 +181,31 @@ mod tests {
     #[test]
     fn nothing_pending_is_idle() {
         let now = Instant::now();
-        assert_eq!(decide(0, 0, None, now, &policy(), 8), Decision::Idle);
+        assert_eq!(decide(0, 0, None, now, &policy(), 8, false), Decision::Idle);
     }
 
     #[test]
     fn a_full_target_batch_is_cut_at_once() {
         let now = Instant::now();
         assert_eq!(
-            decide(1000, 1000, Some(now), now, &policy(), 16),
+            decide(1000, 1000, Some(now), now, &policy(), 16, false),
             Decision::Cut(16)
         );
-        assert_eq!(decide(9, 3, Some(now), now, &policy(), 8), Decision::Cut(8));
-        assert_eq!(decide(5, 5, Some(now), now, &policy(), 1), Decision::Cut(1));
+        assert_eq!(
+            decide(9, 3, Some(now), now, &policy(), 8, false),
+            Decision::Cut(8)
+        );
+        assert_eq!(
+            decide(5, 5, Some(now), now, &policy(), 1, false),
+            Decision::Cut(1)
+        );
     }
 
     #[test]
     fn the_target_never_exceeds_max_batch_size() {
         let now = Instant::now();
         assert_eq!(
-            decide(100, 100, Some(now), now, &policy(), 500),
+            decide(100, 100, Some(now), now, &policy(), 500, false),
             Decision::Cut(32)
         );
     }
@@ -194,11 +215,41 @@ mod tests {
         let t0 = Instant::now();
         let p = policy();
         assert_eq!(
-            decide(3, 3, Some(t0), t0, &p, 8),
+            decide(3, 3, Some(t0), t0, &p, 8, false),
             Decision::Wait(t0 + Duration::from_millis(2))
         );
         let later = t0 + Duration::from_millis(3);
-        assert_eq!(decide(3, 3, Some(t0), later, &p, 8), Decision::Cut(3));
+        assert_eq!(
+            decide(3, 3, Some(t0), later, &p, 8, false),
+            Decision::Cut(3)
+        );
+    }
+
+    #[test]
+    fn with_no_rows_on_their_way_a_preferred_size_goes_at_once_as_in_triton() {
+        let t0 = Instant::now();
+        let p = BatchPolicy {
+            preferred: vec![1, 2, 4, 8, 16, 32],
+            ..policy()
+        };
+        // The largest preferred size the rows make, the rest for the next instance.
+        assert_eq!(decide(3, 3, Some(t0), t0, &p, 8, false), Decision::Cut(2));
+        assert_eq!(decide(1, 1, Some(t0), t0, &p, 8, false), Decision::Cut(1));
+        assert_eq!(decide(7, 1, Some(t0), t0, &p, 8, false), Decision::Cut(4));
+        // A request still submitting rows: they fill the measured size within the delay.
+        assert_eq!(
+            decide(3, 3, Some(t0), t0, &p, 8, true),
+            Decision::Wait(t0 + Duration::from_millis(2))
+        );
+        // Fewer rows than any preferred size wait, as Triton's batcher does.
+        let only_eight = BatchPolicy {
+            preferred: vec![8],
+            ..policy()
+        };
+        assert_eq!(
+            decide(3, 3, Some(t0), t0, &only_eight, 8, false),
+            Decision::Wait(t0 + Duration::from_millis(2))
+        );
     }
 
     #[test]
@@ -208,7 +259,10 @@ mod tests {
             merge_requests: false,
             ..policy()
         };
-        assert_eq!(decide(10, 3, Some(t0), t0, &p, 8), Decision::Cut(3));
-        assert_eq!(decide(100, 100, Some(t0), t0, &p, 8), Decision::Cut(32));
+        assert_eq!(decide(10, 3, Some(t0), t0, &p, 8, false), Decision::Cut(3));
+        assert_eq!(
+            decide(100, 100, Some(t0), t0, &p, 8, false),
+            Decision::Cut(32)
+        );
     }
 }

@@ -2,12 +2,12 @@
 //! submitted in chunks as they arrive, the response cache, the merge of every chunk's
 //! outputs in row order, and the request's accounting (Triton's success and failure
 //! counters, which the statistics extension reads too).
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::{FutureExt, Stream, StreamExt};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 
 use super::cache::{CacheKey, ResponseCache};
 use super::handle::{Inner, QueuePlace};
@@ -240,6 +240,7 @@ impl ModelHandle {
             level,
             timeout: inner.policy.queues[level].timeout_for(options.timeout),
             started: Instant::now(),
+            feeding: Some(Feeding::new(inner)),
             request: Arc::new(RequestMark::new(trace)),
             finished: false,
             batch_failed: false,
@@ -265,6 +266,30 @@ impl ModelHandle {
             }
             Outcome::Failed(why) => m.failed(why),
         }
+    }
+}
+
+/// An admitted request that still submits rows, counted in the model's `feeding` until
+/// dropped; dropping it wakes the batcher, which may no longer wait for its rows.
+struct Feeding {
+    count: Arc<AtomicUsize>,
+    wake: Arc<Notify>,
+}
+
+impl Feeding {
+    fn new(inner: &Inner) -> Feeding {
+        inner.feeding.fetch_add(1, Ordering::SeqCst);
+        Feeding {
+            count: inner.feeding.clone(),
+            wake: inner.wake.clone(),
+        }
+    }
+}
+
+impl Drop for Feeding {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::SeqCst);
+        self.wake.notify_one();
     }
 }
 
@@ -327,6 +352,8 @@ struct Admission {
     level: usize,
     timeout: Option<Duration>,
     started: Instant,
+    /// Counted as feeding until its last rows are submitted.
+    feeding: Option<Feeding>,
     /// Shared by the request's jobs in the batcher.
     request: Arc<RequestMark>,
     /// Set by `finish`, so `Drop` knows the outcome was counted.
@@ -380,6 +407,7 @@ impl Admission {
             pending.push(self.submit(chunk, spec, true).await?);
         }
         self.place = None;
+        self.feeding = None;
         let mut outputs = Vec::with_capacity(slots.len());
         // Where the n-th computed row is in arrival order (rows unusable on arrival took
         // places of their own).
@@ -458,7 +486,13 @@ impl Admission {
             level: self.level,
             timeout: self.timeout,
         };
-        inner.jobs.send(admitted).await.map_err(|_| {
+        let sent = inner.jobs.send(admitted).await;
+        if last {
+            // Only once its last rows are in the channel: the batcher, woken, finds them
+            // there and no more of this request's rows coming.
+            self.feeding = None;
+        }
+        sent.map_err(|_| {
             RunError::Scheduler(SchedulerError::Stopping {
                 model: inner.name.to_string(),
             })

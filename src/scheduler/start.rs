@@ -126,6 +126,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
     drop(slots_tx);
 
     let (flush, wake) = (CancellationToken::new(), Arc::new(Notify::new()));
+    let feeding = Arc::new(AtomicUsize::new(0));
     tokio::spawn(run_batcher(
         BatcherLabels {
             model: name.clone(),
@@ -139,6 +140,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
             stop: stop.clone(),
             flush: flush.clone(),
             wake: wake.clone(),
+            feeding: feeding.clone(),
         },
     ));
     let devices = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -172,6 +174,7 @@ pub fn start_model(settings: ModelSettings, factory: EngineFactory) -> ModelHand
             },
             place_freed: Arc::new(Notify::new()),
             arriving: Default::default(),
+            feeding,
             name: settings.name,
             version: settings.version,
             series,

@@ -285,6 +285,12 @@ pub fn batch_policy(spec: &ClassifierSpec, default_queue_size: usize) -> BatchPo
     BatchPolicy {
         max_batch_size: spec.batch_rows,
         max_queue_delay: b.max_queue_delay,
+        preferred: b
+            .preferred_batch_sizes
+            .iter()
+            .copied()
+            .filter(|&n| n <= spec.batch_rows)
+            .collect(),
         merge_requests: true,
         queues: b
             .queues

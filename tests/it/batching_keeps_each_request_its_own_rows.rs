@@ -47,6 +47,95 @@ async fn thirty_two_concurrent_requests_share_batches_and_keep_their_own_answers
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn rows_wait_for_the_queue_delay_only_while_more_are_on_their_way() {
+    // The bundled preferred sizes with a 10 s queue delay: the fake engine's time per batch
+    // (the same for any size) makes the largest size the fastest per image, and the fake is
+    // no CPU, so the instances ask for 32 or more.
+    let mut config = Config::for_tests();
+    config.control.model_repository = vec![temp_repository("coming", |_, t| {
+        t.replace(
+            "max_queue_delay_microseconds: 2000",
+            "max_queue_delay_microseconds: 10000000",
+        )
+    })];
+    let gw = TestGateway::start_fake(config, Duration::from_millis(20)).await;
+    // A lone image: no rows are on their way, and 1 is a preferred size, so it runs at once
+    // (as in Triton) instead of waiting 10 s for seven more.
+    let started = std::time::Instant::now();
+    let reply = gw.predict("", &[("one.png".into(), solid_png(9))]).await;
+    assert_eq!(reply.status, 200, "{}", reply.json);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "a lone image waited {:?} for a batch to fill",
+        started.elapsed()
+    );
+    // An upload of 61 whose files arrive 15 ms apart (the request submits its rows 8 at a
+    // time as they decode): its rows wait for the batch to fill instead of running 8 at a
+    // time as they come, and once its last rows are submitted they run without waiting, in
+    // the largest preferred sizes they make: 32 + 16 + 8 + 4 + 1.
+    let before = gw.metric("visiongate_batch_size_count", &[]).await;
+    let started = std::time::Instant::now();
+    let (status, body) = paced_upload(&gw, 61, Duration::from_millis(15)).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "the upload's last rows waited: {:?}",
+        started.elapsed()
+    );
+    let reply: serde_json::Value = serde_json::from_str(&body).unwrap();
+    for (i, r) in reply["results"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(r["class_id"], i as u64, "row {i}");
+    }
+    let batches = gw.metric("visiongate_batch_size_count", &[]).await - before;
+    assert_eq!(
+        batches, 5.0,
+        "61 rows that trickled in ran in {batches} batches, not 32 + 16 + 8 + 4 + 1"
+    );
+    gw.stop().await;
+}
+
+/// A `/predict` of `files` solid PNGs (file i classified as i), one file every `gap`:
+/// the response's status and body.
+async fn paced_upload(gw: &TestGateway, files: u8, gap: Duration) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let parts: Vec<Vec<u8>> = (0..files)
+        .map(|i| {
+            let mut part = format!(
+                "--XyZ\r\nContent-Disposition: form-data; name=\"files\"; filename=\"{i}.png\"\r\n\
+                 Content-Type: image/png\r\n\r\n"
+            )
+            .into_bytes();
+            part.extend(solid_png(i));
+            part.extend(b"\r\n");
+            part
+        })
+        .collect();
+    let end = b"--XyZ--\r\n";
+    let length = parts.iter().map(Vec::len).sum::<usize>() + end.len();
+    let url = gw.url("/predict?top_k=1");
+    let addr = url.trim_start_matches("http://").split('/').next().unwrap();
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /predict?top_k=1 HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\
+         Content-Type: multipart/form-data; boundary=XyZ\r\nContent-Length: {length}\r\n\r\n"
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    for part in &parts {
+        conn.write_all(part).await.unwrap();
+        tokio::time::sleep(gap).await;
+    }
+    conn.write_all(end).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), conn.read_to_end(&mut answer))
+        .await
+        .expect("an answer within 30 s")
+        .unwrap();
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP answer");
+    (head[9..12].parse().unwrap(), body.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_large_request_is_split_over_both_instances_in_upload_order() {
     let mut config = Config::for_tests();
     config.control.model_repository = vec![temp_repository("split", |m, t| {
