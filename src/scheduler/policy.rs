@@ -97,8 +97,11 @@ pub enum Decision {
 /// `target`: a full target batch goes at once. Fewer rows wait up to the queue delay while
 /// `rows_coming` (an admitted request still has rows to submit: they arrive within a decode,
 /// and waiting for them fills the batch the instance measured as fastest). With none on
-/// their way, Triton's rule: the largest preferred batch size the rows make goes at once,
-/// and fewer rows than any preferred size wait up to the queue delay.
+/// their way, they go at once where Triton's batcher sends a batch without waiting (the
+/// rows make at least one preferred batch size), in one batch: Triton would send the
+/// largest preferred size of whole requests and leave the rest for the next, so this is
+/// never later and never smaller. Fewer rows than any preferred size wait up to the queue
+/// delay, as there.
 pub fn decide(
     pending_rows: usize,
     head_rows: usize,
@@ -120,13 +123,10 @@ pub fn decide(
     if pending_rows >= target {
         return Decision::Cut(target);
     }
-    if !rows_coming {
-        if let Some(&n) = policy.preferred.iter().rev().find(|&&n| n <= pending_rows) {
-            return Decision::Cut(n);
-        }
-    }
     let deadline = oldest + policy.max_queue_delay;
-    if now >= deadline {
+    let preferred_now =
+        !rows_coming && policy.preferred.first().is_some_and(|&n| n <= pending_rows);
+    if now >= deadline || preferred_now {
         Decision::Cut(pending_rows)
     } else {
         Decision::Wait(deadline)
@@ -226,29 +226,37 @@ mod tests {
     }
 
     #[test]
-    fn with_no_rows_on_their_way_a_preferred_size_goes_at_once_as_in_triton() {
+    fn with_no_rows_on_their_way_rows_that_make_a_preferred_size_go_at_once_together() {
         let t0 = Instant::now();
         let p = BatchPolicy {
             preferred: vec![1, 2, 4, 8, 16, 32],
             ..policy()
         };
-        // The largest preferred size the rows make, the rest for the next instance.
-        assert_eq!(decide(3, 3, Some(t0), t0, &p, 8, false), Decision::Cut(2));
+        // Where Triton would send a preferred size now, every pending row goes in one batch.
+        assert_eq!(decide(3, 3, Some(t0), t0, &p, 8, false), Decision::Cut(3));
         assert_eq!(decide(1, 1, Some(t0), t0, &p, 8, false), Decision::Cut(1));
-        assert_eq!(decide(7, 1, Some(t0), t0, &p, 8, false), Decision::Cut(4));
-        // A request still submitting rows: they fill the measured size within the delay.
+        assert_eq!(decide(7, 1, Some(t0), t0, &p, 8, false), Decision::Cut(7));
+        assert_eq!(decide(12, 1, Some(t0), t0, &p, 8, false), Decision::Cut(8));
+        // A request still submitting rows: they fill the measured size within the delay,
+        // and past it what is there goes.
         assert_eq!(
             decide(3, 3, Some(t0), t0, &p, 8, true),
             Decision::Wait(t0 + Duration::from_millis(2))
         );
-        // Fewer rows than any preferred size wait, as Triton's batcher does.
-        let only_eight = BatchPolicy {
-            preferred: vec![8],
+        let later = t0 + Duration::from_millis(3);
+        assert_eq!(decide(3, 3, Some(t0), later, &p, 8, true), Decision::Cut(3));
+        // Fewer rows than any preferred size wait, as in Triton's batcher.
+        let from_four = BatchPolicy {
+            preferred: vec![4, 8],
             ..policy()
         };
         assert_eq!(
-            decide(3, 3, Some(t0), t0, &only_eight, 8, false),
+            decide(3, 3, Some(t0), t0, &from_four, 8, false),
             Decision::Wait(t0 + Duration::from_millis(2))
+        );
+        assert_eq!(
+            decide(5, 5, Some(t0), t0, &from_four, 8, false),
+            Decision::Cut(5)
         );
     }
 
