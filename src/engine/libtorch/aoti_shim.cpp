@@ -93,7 +93,12 @@ const char* vg_torch_version() { return TORCH_VERSION; }
 // src/engine/libtorch/package.rs), loaded onto CUDA device `device_index`, or the CPU (-1); null on
 // failure. One runner: the instance thread that owns it runs one batch at a time.
 // `stub`: the libtorch.so stub's bytes (see open_libtorch_stub).
+// One load at a time in the process: libtorch's loader reads each package's JSON files into
+// one static object, so two loads at once raced (one saw no metadata, "No device
+// information found.", or the process crashed). Runs and frees need no such lock.
 void* vg_aoti_load(const char* path, int device_index, const unsigned char* stub, size_t stub_len) {
+  static std::mutex loading;
+  std::lock_guard<std::mutex> one_at_a_time(loading);
   return guarded(
       [&]() -> void* {
         std::string why = open_libtorch_stub(stub, stub_len);
