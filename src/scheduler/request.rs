@@ -270,7 +270,8 @@ impl ModelHandle {
 }
 
 /// An admitted request that still submits rows, counted in the model's `feeding` until
-/// dropped; dropping it wakes the batcher, which may no longer wait for its rows.
+/// dropped; dropping the last one wakes the batcher, which then waits for no more rows
+/// (while any other still feeds, its decision stays the same).
 struct Feeding {
     count: Arc<AtomicUsize>,
     wake: Arc<Notify>,
@@ -288,8 +289,9 @@ impl Feeding {
 
 impl Drop for Feeding {
     fn drop(&mut self) {
-        self.count.fetch_sub(1, Ordering::SeqCst);
-        self.wake.notify_one();
+        if self.count.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.wake.notify_one();
+        }
     }
 }
 

@@ -285,12 +285,7 @@ pub fn batch_policy(spec: &ClassifierSpec, default_queue_size: usize) -> BatchPo
     BatchPolicy {
         max_batch_size: spec.batch_rows,
         max_queue_delay: b.max_queue_delay,
-        preferred: b
-            .preferred_batch_sizes
-            .iter()
-            .copied()
-            .filter(|&n| n <= spec.batch_rows)
-            .collect(),
+        preferred: preferred_within(&b.preferred_batch_sizes, spec.batch_rows),
         merge_requests: true,
         queues: b
             .queues
@@ -325,7 +320,7 @@ fn choose_batch_size(preferred: Option<&[usize]>, max: usize) -> BatchSizeChoice
     let Some(all) = preferred else {
         return BatchSizeChoice::Pinned(1);
     };
-    let preferred: Vec<usize> = all.iter().copied().filter(|&n| n <= max).collect();
+    let preferred = preferred_within(all, max);
     match preferred.as_slice() {
         [] => BatchSizeChoice::Pinned(max),
         [one] if all.len() == 1 => BatchSizeChoice::Pinned(*one),
@@ -337,6 +332,12 @@ fn choose_batch_size(preferred: Option<&[usize]>, max: usize) -> BatchSizeChoice
             BatchSizeChoice::Tune(candidates)
         }
     }
+}
+
+/// The config's preferred batch sizes that the largest batch the server forms can hold:
+/// the batcher's and the warm-up's.
+fn preferred_within(all: &[usize], max: usize) -> Vec<usize> {
+    all.iter().copied().filter(|&n| n <= max).collect()
 }
 
 /// Expands `instance_group`s into instances on the devices that exist. Triton's rules:
