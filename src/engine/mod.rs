@@ -374,7 +374,7 @@ pub(crate) fn host_rows<'a>(input: BatchInput<'a>, staging: &'a mut Vec<f32>) ->
             width,
             normalize,
         } => {
-            normalize_into(data, height, width, normalize, staging);
+            normalize_into(data, height, width, normalize, Layout::Nchw, staging);
             staging
         }
         BatchInput::Tensors { data, .. } => data,
@@ -410,14 +410,25 @@ pub(crate) fn host_output(
     Ok(out)
 }
 
+/// How `normalize_into` lays out a batch's f32 values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Each image's three planes in turn (what ONNX models and OpenVINO take).
+    Nchw,
+    /// Pixel by pixel, as decoded: a permuted view of it is NCHW with channels-last
+    /// strides, the layout the bundled TorchScript model is laid out for.
+    Nhwc,
+}
+
 /// `rows` u8 NHWC RGB images of `height` x `width`, normalized on the host into `out`
-/// (cleared first): f32 NCHW `(x / 255 - mean) / std`, in the order torchvision computes
-/// it, the same values libtorch computes on its device.
+/// (cleared first) in `layout`: f32 `(x / 255 - mean) / std`, in the order torchvision
+/// computes it, the same values libtorch computes on its device.
 pub fn normalize_into(
     data: &[u8],
     height: usize,
     width: usize,
     normalize: Normalize,
+    layout: Layout,
     out: &mut Vec<f32>,
 ) {
     let plane = height * width;
@@ -430,16 +441,28 @@ pub fn normalize_into(
     });
     out.clear();
     out.resize(rows * plane * 3, 0.0);
-    for (image, dst) in data
-        .chunks_exact(plane * 3)
-        .zip(out.chunks_exact_mut(plane * 3))
-    {
-        let (r, rest) = dst.split_at_mut(plane);
-        let (g, b) = rest.split_at_mut(plane);
-        for (i, pixel) in image.chunks_exact(3).enumerate() {
-            r[i] = table[0][pixel[0] as usize];
-            g[i] = table[1][pixel[1] as usize];
-            b[i] = table[2][pixel[2] as usize];
+    match layout {
+        Layout::Nhwc => {
+            let pixels = data[..rows * plane * 3].chunks_exact(3);
+            for (pixel, dst) in pixels.zip(out.chunks_exact_mut(3)) {
+                dst[0] = table[0][pixel[0] as usize];
+                dst[1] = table[1][pixel[1] as usize];
+                dst[2] = table[2][pixel[2] as usize];
+            }
+        }
+        Layout::Nchw => {
+            for (image, dst) in data
+                .chunks_exact(plane * 3)
+                .zip(out.chunks_exact_mut(plane * 3))
+            {
+                let (r, rest) = dst.split_at_mut(plane);
+                let (g, b) = rest.split_at_mut(plane);
+                for (i, pixel) in image.chunks_exact(3).enumerate() {
+                    r[i] = table[0][pixel[0] as usize];
+                    g[i] = table[1][pixel[1] as usize];
+                    b[i] = table[2][pixel[2] as usize];
+                }
+            }
         }
     }
 }
@@ -452,7 +475,7 @@ pub fn normalize_on_cpu(
     normalize: Normalize,
 ) -> Vec<f32> {
     let mut out = Vec::new();
-    normalize_into(data, height, width, normalize, &mut out);
+    normalize_into(data, height, width, normalize, Layout::Nchw, &mut out);
     out
 }
 
@@ -492,6 +515,28 @@ mod tests {
         let mut no_logits = answer(vec![vec![class(1)], vec![class(0)]], Some(vec![0.0; 3]));
         let e = no_logits.ranked(2, both).unwrap_err();
         assert!(e.contains("3 logits for 2 rows of 2 classes"), "{e}");
+    }
+
+    #[test]
+    fn channels_last_normalization_holds_the_same_values_pixel_by_pixel() {
+        let (h, w) = (3, 5);
+        let data: Vec<u8> = (0..2 * h * w * 3).map(|i| (i * 37 % 256) as u8).collect();
+        let n = Normalize {
+            mean: [0.485, 0.456, 0.406],
+            std: [0.229, 0.224, 0.225],
+        };
+        let (mut nchw, mut nhwc) = (Vec::new(), Vec::new());
+        normalize_into(&data, h, w, n, Layout::Nchw, &mut nchw);
+        normalize_into(&data, h, w, n, Layout::Nhwc, &mut nhwc);
+        assert_eq!(nhwc.len(), nchw.len());
+        for image in 0..2 {
+            for c in 0..3 {
+                for p in 0..h * w {
+                    let plane = nchw[(image * 3 + c) * h * w + p];
+                    assert_eq!(nhwc[(image * h * w + p) * 3 + c].to_bits(), plane.to_bits());
+                }
+            }
+        }
     }
 
     #[test]
