@@ -29,7 +29,8 @@ use crate::preprocess::BatchDecoder;
 /// The rows of one batch, contiguous.
 #[derive(Debug, Clone, Copy)]
 pub enum BatchInput<'a> {
-    /// u8 NHWC RGB images; normalized to f32 NCHW on the engine's device.
+    /// u8 NHWC RGB images; normalized to f32 by the engine (on a libtorch GPU instance's
+    /// device, else on the host).
     Images {
         data: &'a [u8],
         height: usize,
@@ -374,6 +375,8 @@ pub(crate) fn host_rows<'a>(input: BatchInput<'a>, staging: &'a mut Vec<f32>) ->
             width,
             normalize,
         } => {
+            staging.clear();
+            staging.resize(data.len(), 0.0);
             normalize_into(data, height, width, normalize, Layout::Nchw, staging);
             staging
         }
@@ -421,30 +424,27 @@ pub enum Layout {
 }
 
 /// `rows` u8 NHWC RGB images of `height` x `width`, normalized on the host into `out`
-/// (cleared first) in `layout`: f32 `(x / 255 - mean) / std`, in the order torchvision
-/// computes it, the same values libtorch computes on its device.
+/// (as long as `data`) in `layout`: f32 `(x / 255 - mean) / std`, in the order torchvision
+/// computes it, the same values libtorch computes on the CPU.
 pub fn normalize_into(
     data: &[u8],
     height: usize,
     width: usize,
     normalize: Normalize,
     layout: Layout,
-    out: &mut Vec<f32>,
+    out: &mut [f32],
 ) {
+    assert_eq!(out.len(), data.len(), "one f32 per u8 value");
     let plane = height * width;
-    let rows = data.len() / (plane * 3);
     // Each channel's 256 possible values, computed once per batch (the same operations on
     // the same operands, so the same values): the pass over the pixels is a lookup.
     let table: [[f32; 256]; 3] = std::array::from_fn(|c| {
         let (mean, std) = (normalize.mean[c], normalize.std[c]);
         std::array::from_fn(|v| (v as f32 / 255.0 - mean) / std)
     });
-    out.clear();
-    out.resize(rows * plane * 3, 0.0);
     match layout {
         Layout::Nhwc => {
-            let pixels = data[..rows * plane * 3].chunks_exact(3);
-            for (pixel, dst) in pixels.zip(out.chunks_exact_mut(3)) {
+            for (pixel, dst) in data.chunks_exact(3).zip(out.chunks_exact_mut(3)) {
                 dst[0] = table[0][pixel[0] as usize];
                 dst[1] = table[1][pixel[1] as usize];
                 dst[2] = table[2][pixel[2] as usize];
@@ -474,7 +474,7 @@ pub fn normalize_on_cpu(
     width: usize,
     normalize: Normalize,
 ) -> Vec<f32> {
-    let mut out = Vec::new();
+    let mut out = vec![0.0; data.len()];
     normalize_into(data, height, width, normalize, Layout::Nchw, &mut out);
     out
 }
@@ -525,7 +525,7 @@ mod tests {
             mean: [0.485, 0.456, 0.406],
             std: [0.229, 0.224, 0.225],
         };
-        let (mut nchw, mut nhwc) = (Vec::new(), Vec::new());
+        let (mut nchw, mut nhwc) = (vec![0.0; data.len()], vec![0.0; data.len()]);
         normalize_into(&data, h, w, n, Layout::Nchw, &mut nchw);
         normalize_into(&data, h, w, n, Layout::Nhwc, &mut nhwc);
         assert_eq!(nhwc.len(), nchw.len());

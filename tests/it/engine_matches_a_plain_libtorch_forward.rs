@@ -1,7 +1,8 @@
-//! The engine's device hygiene (a staging buffer reused across batches, page-locked on a
-//! GPU; the normalization's mean and std made once per instance) changes no result: on the
-//! CPU every logit and top-k score is bit-identical to a plain libtorch forward pass of
-//! the same rows, for batches that grow, shrink and repeat. A bf16 engine runs reduced
+//! The engine's input path (on the CPU, images normalized on the host into a channels-last
+//! tensor; on a GPU, a staging buffer reused across batches, page-locked, and the
+//! normalization's mean and std made once per instance) changes no result: on the CPU
+//! every logit and top-k score is bit-identical to a plain libtorch forward pass of the
+//! same rows, normalized by libtorch, for batches that grow, shrink and repeat. A bf16 engine runs reduced
 //! precision for real (close to FP32, not equal) and leaves FP32 engines on the same
 //! thread bit-identical.
 use std::path::PathBuf;

@@ -42,14 +42,11 @@ enum Module {
 pub struct TorchEngine {
     module: Module,
     device: Device,
-    /// Host buffer the u8 rows of a batch are copied into; page-locked on a GPU, so the
-    /// copy to the device is a non-blocking DMA on this instance's stream. Grows to the
-    /// largest batch seen, then is reused.
+    /// On a GPU, the host buffer a batch's u8 images are copied into, page-locked, so the
+    /// copy to the device is a non-blocking DMA on this instance's stream (a CPU instance
+    /// normalizes its images on the host instead). Grows to the largest batch seen, then
+    /// is reused.
     staging: Option<Tensor>,
-    /// On the CPU, a batch's images normalized on the host (reused across batches): one
-    /// pass of table lookups, where libtorch's four elementwise operations took about
-    /// 0.5 ms per 224x224 row.
-    host: Vec<f32>,
     /// The normalization's mean and std as `[1, 3, 1, 1]` tensors on the device, made
     /// once per instance (and again only if a batch asks for different values).
     normalize: Option<(Normalize, Tensor, Tensor)>,
@@ -143,7 +140,6 @@ impl TorchEngine {
             device,
             staging: None,
             normalize: None,
-            host: Vec::new(),
             events,
             sizes_run: Default::default(),
             autocast,
@@ -264,19 +260,31 @@ impl TorchEngine {
                 width,
                 normalize,
             } if self.device == Device::Cpu => {
-                // Batches run at their own size on the CPU (no padding rows). The bundled
-                // TorchScript model is laid out channels-last; a package's compiled
-                // model takes NCHW, contiguous.
-                let layout = match self.module {
-                    Module::Script(_) => Layout::Nhwc,
-                    Module::Package(_) => Layout::Nchw,
-                };
-                normalize_into(data, height, width, normalize, layout, &mut self.host);
-                let x = Tensor::f_from_slice(&self.host)?;
+                // Normalized on the host straight into the input tensor, one pass of
+                // table lookups: libtorch's four elementwise operations took about 0.5 ms
+                // per 224x224 row here. Batches run at their own size on the CPU (no
+                // padding rows). The bundled TorchScript model is laid out channels-last;
+                // a package's compiled model takes NCHW, contiguous.
+                if rows as usize * height * width * 3 != data.len() {
+                    return Err(tch::TchError::Shape(format!(
+                        "{} bytes are not {rows} rows of {height}x{width} RGB",
+                        data.len()
+                    )));
+                }
                 let (h, w) = (height as i64, width as i64);
+                let (layout, shape) = match self.module {
+                    Module::Script(_) => (Layout::Nhwc, [rows, h, w, 3]),
+                    Module::Package(_) => (Layout::Nchw, [rows, 3, h, w]),
+                };
+                let x = Tensor::f_empty(shape, (Kind::Float, Device::Cpu))?;
+                // SAFETY: `x` is a new contiguous f32 tensor of `data.len()` values (checked
+                // just above), which nothing else refers to while this slice lives.
+                let out =
+                    unsafe { std::slice::from_raw_parts_mut(x.data_ptr() as *mut f32, data.len()) };
+                normalize_into(data, height, width, normalize, layout, out);
                 match layout {
-                    Layout::Nhwc => x.f_view([rows, h, w, 3])?.f_permute([0, 3, 1, 2]),
-                    Layout::Nchw => x.f_view([rows, 3, h, w]),
+                    Layout::Nhwc => x.f_permute([0, 3, 1, 2]),
+                    Layout::Nchw => Ok(x),
                 }
             }
             BatchInput::Images {
