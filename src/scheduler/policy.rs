@@ -8,9 +8,9 @@ use crate::domain::TimeoutAction;
 pub struct BatchPolicy {
     pub max_batch_size: usize,
     pub max_queue_delay: Duration,
-    /// `preferred_batch_size`, ascending, those over `max_batch_size` left out: with no
-    /// more rows on their way, a batch of one of these sizes goes without waiting.
-    pub preferred: Vec<usize>,
+    /// The smallest `preferred_batch_size` within `max_batch_size` (`None`: none is): with
+    /// no more rows on their way, pending rows that make it go without waiting.
+    pub smallest_preferred: Option<usize>,
     /// `dynamic_batching` present: rows of different requests may share a batch.
     pub merge_requests: bool,
     /// One queue per priority level, highest priority first.
@@ -25,7 +25,7 @@ impl BatchPolicy {
         BatchPolicy {
             max_batch_size,
             max_queue_delay: Duration::ZERO,
-            preferred: Vec::new(),
+            smallest_preferred: None,
             merge_requests: false,
             queues: vec![QueuePolicy::without_timeout(capacity)],
             default_level: 0,
@@ -125,7 +125,7 @@ pub fn decide(
     }
     let deadline = oldest + policy.max_queue_delay;
     let preferred_now =
-        !rows_coming && policy.preferred.first().is_some_and(|&n| n <= pending_rows);
+        !rows_coming && policy.smallest_preferred.is_some_and(|n| n <= pending_rows);
     if now >= deadline || preferred_now {
         Decision::Cut(pending_rows)
     } else {
@@ -141,7 +141,7 @@ mod tests {
         BatchPolicy {
             max_batch_size: 32,
             max_queue_delay: Duration::from_millis(2),
-            preferred: Vec::new(),
+            smallest_preferred: None,
             merge_requests: true,
             queues: vec![QueuePolicy::without_timeout(8)],
             default_level: 0,
@@ -229,7 +229,7 @@ mod tests {
     fn with_no_rows_on_their_way_rows_that_make_a_preferred_size_go_at_once_together() {
         let t0 = Instant::now();
         let p = BatchPolicy {
-            preferred: vec![1, 2, 4, 8, 16, 32],
+            smallest_preferred: Some(1), // [1, 2, 4, 8, 16, 32]
             ..policy()
         };
         // Where Triton would send a preferred size now, every pending row goes in one batch.
@@ -247,7 +247,7 @@ mod tests {
         assert_eq!(decide(3, 3, Some(t0), later, &p, 8, true), Decision::Cut(3));
         // Fewer rows than any preferred size wait, as in Triton's batcher.
         let from_four = BatchPolicy {
-            preferred: vec![4, 8],
+            smallest_preferred: Some(4), // [4, 8]
             ..policy()
         };
         assert_eq!(

@@ -285,7 +285,9 @@ pub fn batch_policy(spec: &ClassifierSpec, default_queue_size: usize) -> BatchPo
     BatchPolicy {
         max_batch_size: spec.batch_rows,
         max_queue_delay: b.max_queue_delay,
-        preferred: preferred_within(&b.preferred_batch_sizes, spec.batch_rows),
+        // The spec's sizes are ascending.
+        smallest_preferred: (b.preferred_batch_sizes.first().copied())
+            .filter(|&n| n <= spec.batch_rows),
         merge_requests: true,
         queues: b
             .queues
@@ -320,7 +322,7 @@ fn choose_batch_size(preferred: Option<&[usize]>, max: usize) -> BatchSizeChoice
     let Some(all) = preferred else {
         return BatchSizeChoice::Pinned(1);
     };
-    let preferred = preferred_within(all, max);
+    let preferred: Vec<usize> = all.iter().copied().filter(|&n| n <= max).collect();
     match preferred.as_slice() {
         [] => BatchSizeChoice::Pinned(max),
         [one] if all.len() == 1 => BatchSizeChoice::Pinned(*one),
@@ -332,12 +334,6 @@ fn choose_batch_size(preferred: Option<&[usize]>, max: usize) -> BatchSizeChoice
             BatchSizeChoice::Tune(candidates)
         }
     }
-}
-
-/// The config's preferred batch sizes that the largest batch the server forms can hold:
-/// the batcher's and the warm-up's.
-fn preferred_within(all: &[usize], max: usize) -> Vec<usize> {
-    all.iter().copied().filter(|&n| n <= max).collect()
 }
 
 /// Expands `instance_group`s into instances on the devices that exist. Triton's rules:

@@ -98,6 +98,7 @@ pub struct InstanceGroupSpec {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct BatchingSpec {
+    /// Ascending, without repeats.
     pub preferred_batch_sizes: Vec<usize>,
     pub max_queue_delay: Duration,
     /// One queue policy per priority level, highest priority first (one level when the
