@@ -365,7 +365,8 @@ pub(crate) fn open_runtime_once<T>(
 }
 
 /// A batch's f32 NCHW rows on the host, for runtimes that take their input there: tensors
-/// as they come, images normalized into `staging` (reused across batches).
+/// as they come, images normalized into `staging` (reused across batches; the lookup pass
+/// writes every value, so only a larger batch's growth is zero-filled first).
 #[cfg(any(feature = "onnx", feature = "openvino"))]
 pub(crate) fn host_rows<'a>(input: BatchInput<'a>, staging: &'a mut Vec<f32>) -> &'a [f32] {
     match input {
@@ -375,7 +376,6 @@ pub(crate) fn host_rows<'a>(input: BatchInput<'a>, staging: &'a mut Vec<f32>) ->
             width,
             normalize,
         } => {
-            staging.clear();
             staging.resize(data.len(), 0.0);
             normalize_into(data, height, width, normalize, Layout::Nchw, staging);
             staging
@@ -536,6 +536,34 @@ mod tests {
                     assert_eq!(nhwc[(image * h * w + p) * 3 + c].to_bits(), plane.to_bits());
                 }
             }
+        }
+    }
+
+    #[cfg(any(feature = "onnx", feature = "openvino"))]
+    #[test]
+    fn reused_staging_holds_only_the_current_batch_whatever_the_last_one_held() {
+        let (h, w) = (2, 3);
+        let n = Normalize {
+            mean: [0.485, 0.456, 0.406],
+            std: [0.229, 0.224, 0.225],
+        };
+        let images = |rows: usize, seed: usize| -> Vec<u8> {
+            (0..rows * h * w * 3)
+                .map(|i| ((i + seed) * 37 % 256) as u8)
+                .collect()
+        };
+        let mut staging = Vec::new();
+        // Growing, shrinking, growing again: each answer is the batch's values alone.
+        for (rows, seed) in [(2, 1), (3, 2), (1, 3), (2, 4)] {
+            let data = images(rows, seed);
+            let input = BatchInput::Images {
+                data: &data,
+                height: h,
+                width: w,
+                normalize: n,
+            };
+            let got = host_rows(input, &mut staging).to_vec();
+            assert_eq!(got, normalize_on_cpu(&data, h, w, n), "{rows} rows");
         }
     }
 
