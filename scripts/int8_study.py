@@ -100,12 +100,22 @@ def main():
     X = np.concatenate([tensor(Image.open(p)) for p in evaluation])
     print(f"int8: {len(photos)} calibration photos ({len(cal)} views), {len(X)} evaluation photos")
 
-    def openvino_probabilities(compiled):
-        # Through a request of its own that copies its inputs: a compiled model called
-        # directly shares the caller's array, and a later request of the same model then
-        # wrote its input into those rows of X (OpenVINO 2026.4's CPU plugin).
+    # A variant is run through one function, a batch of X in, its logits out.
+    def onnx_runner(path):
+        o = ort.SessionOptions()
+        o.intra_op_num_threads = 1
+        s = ort.InferenceSession(path, o, providers=["CPUExecutionProvider"])
+        return lambda x: s.run(None, {"input__0": x})[0]
+
+    def openvino_runner(compiled):
+        # A request that copies its inputs: a compiled model called directly shares the
+        # caller's array, and a later request of the same model then wrote its input into
+        # those rows of X (OpenVINO 2026.4's CPU plugin).
         request = compiled.create_infer_request()
-        z = np.concatenate([request.infer(X[i:i + 16], share_inputs=False)[0] for i in range(0, len(X), 16)])
+        return lambda x: request.infer(x, share_inputs=False)[0]
+
+    def probabilities(run):
+        z = np.concatenate([run(X[i:i + 16]) for i in range(0, len(X), 16)])
         e = np.exp(z - z.max(1, keepdims=True))
         return e / e.sum(1, keepdims=True)
 
@@ -119,21 +129,6 @@ def main():
                 n += 1
             out[b] = round((time.time() - t) / n / b * 1000, 2)
         return out
-
-    def session(path):
-        o = ort.SessionOptions()
-        o.intra_op_num_threads = 1
-        return ort.InferenceSession(path, o, providers=["CPUExecutionProvider"])
-
-    def probabilities(path):
-        s = session(path)
-        z = np.concatenate([s.run(None, {"input__0": X[i:i + 16]})[0] for i in range(0, len(X), 16)])
-        e = np.exp(z - z.max(1, keepdims=True))
-        return e / e.sum(1, keepdims=True)
-
-    def ms_per_image(path):
-        s = session(path)
-        return timed(lambda x: s.run(None, {"input__0": x}))
 
     class Reader(CalibrationDataReader):
         def __init__(self):
@@ -161,7 +156,8 @@ def main():
         "percentile_keep_first_last_depthwise": (CalibrationMethod.Percentile, first_last + depthwise),
     }
     assert tuple(variants) == VARIANTS
-    reference_probs = probabilities(fp32)
+    reference = onnx_runner(fp32)
+    reference_probs = probabilities(reference)
 
     def openvino_compiled(model, precision):
         import openvino as ov
@@ -198,33 +194,32 @@ def main():
     cpu_flags = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
     print(f"int8: CPU {cpu}, flags {' '.join(cpu_flags)}")
     report = {"cpu": cpu, "cpu_flags": cpu_flags, "calibration_photos": len(photos), "calibration_views": len(cal),
-              "evaluation_photos": len(X), "near_ties": int(tie.sum()), "fp32_ms_per_image": ms_per_image(fp32), "variants": {}}
+              "evaluation_photos": len(X), "near_ties": int(tie.sum()), "fp32_ms_per_image": timed(reference),
+              "variants": {}}
     if any(v.startswith("openvino") for v in args.variants or variants):
         precisions = ["f32"] + (["bf16"] if "avx512_bf16" in flags or "amx_bf16" in flags else [])
         report["openvino_ms_per_image"] = {
-            p: timed(openvino_compiled(ir, p).create_infer_request().infer) for p in precisions}
+            p: timed(openvino_runner(openvino_compiled(ir, p))) for p in precisions}
     print(f"int8: ms per image at batch 1 and 8: ONNX Runtime FP32 {report['fp32_ms_per_image']}"
           + (f", OpenVINO {report['openvino_ms_per_image']}" if "openvino_ms_per_image" in report else ""), flush=True)
     for name in args.variants or variants:
         if name.startswith("openvino"):
-            compiled = openvino_int8(name)
-            probs = openvino_probabilities(compiled)
-            ms = timed(compiled.create_infer_request().infer)
+            run = openvino_runner(openvino_int8(name))
         else:
             method, keep = variants[name]
             out = os.path.join(work, name + ".onnx")
             quantize_static(pre, out, Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                             calibrate_method=method, nodes_to_exclude=keep)
-            probs = probabilities(out)
-            ms = ms_per_image(out)
+            run = onnx_runner(out)
+        probs = probabilities(run)
         agree = probs.argmax(1) == reference_probs.argmax(1)
         firm = agree[~tie]
         report["variants"][name] = {
             "top1_agreement": f"{agree.sum()}/{len(agree)}",
             "top1_agreement_near_ties_excused": f"{firm.sum()}/{len(firm)} ({100 * firm.mean():.1f}%)",
             "max_top1_probability_difference": round(float(np.abs(probs.max(1) - reference_probs.max(1)).max()), 3),
-            "ms_per_image": ms,
+            "ms_per_image": timed(run),
         }
         print(f"int8: {name}: {json.dumps(report['variants'][name])}", flush=True)
     (ROOT / "test-artifacts").mkdir(exist_ok=True)
